@@ -1,0 +1,10 @@
+"""numguard: find where a PyTorch training job's numbers go wrong, fast enough to leave on.
+
+    import numguard
+    numguard.tensor_stats(x)            # float64[8] record: see numguard.STAT_FIELDS
+    insp = numguard.watch(model)        # module hooks, device-side ring, report on NaN/Inf
+"""
+from .ops import STAT_FIELDS, backend, multi_tensor_stats, record_, tensor_stats
+
+__all__ = ["STAT_FIELDS", "backend", "multi_tensor_stats", "record_", "tensor_stats"]
+__version__ = "0.1.0"

@@ -1,0 +1,95 @@
+"""Build numguard's native kernels as a PyTorch extension.
+
+The CPU kernels are always built. The CUDA kernels are built when the installed torch is a
+CUDA build and a CUDA toolkit is found; a GPU is not needed to build or link them.
+
+Switches (environment):
+  NUMGUARD_BUILD_CUDA=auto|0|1   force the CUDA kernels off (0) or on (1; fails if impossible)
+  TORCH_CUDA_ARCH_LIST           CUDA architectures (default "8.0;9.0" when no GPU is visible)
+"""
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+from setuptools import setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _build_cuda_setting():
+    value = os.environ.get("NUMGUARD_BUILD_CUDA", "auto").strip().lower()
+    if value not in ("auto", "0", "1"):
+        sys.exit(f"NUMGUARD_BUILD_CUDA={value!r} is not valid: use auto, 0 or 1")
+    return value
+
+
+def _find_cuda_home():
+    """The real toolkit folder. `nvcc` on PATH may be a wrapper script whose parent folder holds
+    no toolkit, so ask nvcc itself where its top is."""
+    if os.environ.get("CUDA_HOME"):
+        return os.environ["CUDA_HOME"]
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    try:
+        out = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"TOP=(\S+)", out.stdout + out.stderr)
+    return os.path.realpath(match.group(1)) if match else os.path.dirname(os.path.dirname(nvcc))
+
+
+def _extensions():
+    import torch
+    from torch.utils import cpp_extension
+
+    build_cuda = _build_cuda_setting()
+    cuda_home = None
+    if build_cuda != "0" and torch.version.cuda:
+        cuda_home = _find_cuda_home()
+    with_cuda = build_cuda != "0" and bool(torch.version.cuda) and cuda_home is not None
+    if build_cuda == "1" and not with_cuda:
+        sys.exit("NUMGUARD_BUILD_CUDA=1 but the CUDA kernels cannot be built: "
+                 f"torch.version.cuda={torch.version.cuda!r}, CUDA toolkit found: {cuda_home!r}")
+
+    sources = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    include_dirs = [os.path.join(HERE, "csrc", "include")]
+    cxx_flags = ["-O3", "-g0", "-fvisibility=hidden"]
+    define_macros = []
+    if not with_cuda:
+        print("numguard: building the CPU kernels only "
+              f"(torch.version.cuda={torch.version.cuda!r}, CUDA toolkit: {cuda_home!r})")
+        return [cpp_extension.CppExtension(
+            "numguard._C", sources, include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx_flags}, define_macros=define_macros)]
+
+    # torch's helper reads these module-level values, which it computed at import time.
+    os.environ["CUDA_HOME"] = cuda_home
+    cpp_extension.CUDA_HOME = cuda_home
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+    # A CUDA torch wheel ships some toolkit headers (cuBLAS, ...) that a bare toolkit may lack.
+    for site in sys.path:
+        nv_include = os.path.join(site, "nvidia", f"cu{torch.version.cuda.split('.')[0]}", "include")
+        if os.path.isdir(nv_include):
+            include_dirs.append(nv_include)
+    print(f"numguard: building CPU and CUDA kernels (CUDA_HOME={cuda_home}, "
+          f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']})")
+    sources += sorted(glob.glob("csrc/cuda/*.cu"))
+    define_macros.append(("NUMGUARD_WITH_CUDA", "1"))
+    return [cpp_extension.CUDAExtension(
+        "numguard._C", sources, include_dirs=include_dirs, define_macros=define_macros,
+        extra_compile_args={"cxx": cxx_flags,
+                            "nvcc": ["-O3"]})]
+
+
+def _cmdclass():
+    from torch.utils import cpp_extension
+    return {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}
+
+
+setup(ext_modules=_extensions(), cmdclass=_cmdclass())
