@@ -1,0 +1,70 @@
+// CPU reduction kernels over one contiguous run of elements, compiled once per instruction-set
+// level (reduce_baseline.cpp, reduce_avx2.cpp, reduce_avx512.cpp) and chosen once at run time.
+//
+// Every kernel folds its run into an accumulator of numguard/stats_reduce.h; accumulators merge
+// exactly in any order (NOTE: [magnitude bits]), so how a tensor is split into runs, chunks and
+// threads never changes its record.
+#pragma once
+
+#include <cstdint>
+
+#include "numguard/stats_reduce.h"
+
+namespace numguard {
+namespace cpu {
+
+// NOTE: [fast blocks]
+// Floating runs are scanned in blocks of kFastBlockBytes. A block first gets only the unsigned min
+// and max of its magnitude bits (two vector ops per vector of input). If min >= min_normal and
+// max < finite_limit, every value of the block is normal, finite and non-zero and those two
+// numbers are the block's whole contribution (FloatStatsAccum::add_normal_range). Otherwise the
+// block, still in L1, is scanned again with the full bookkeeping. Typical weights, activations
+// and gradients take the fast path almost everywhere, which keeps the kernel memory-bound.
+constexpr int64_t kFastBlockBytes = 4096;
+
+// Full-bookkeeping scans count in the element's own unsigned width within sub-blocks small enough
+// that the counters cannot overflow (NOTE: [narrow counters]).
+constexpr int64_t kNarrowSubBlock = 128;   // 1-byte elements: counts <= 128 fit in uint8
+constexpr int64_t kWideSubBlock = 4096;    // wider elements: counts <= 4096 fit in uint16
+
+// Work is split into chunks of this many bytes of a tensor's elements, whatever the thread count;
+// partials are merged in chunk order.
+constexpr int64_t kChunkBytes = 256 * 1024;
+
+// Below this many bytes in one call, everything runs on the calling thread.
+constexpr int64_t kParallelMinBytes = 512 * 1024;
+
+// Strided runs shorter than this are gathered into a local buffer of kGatherBytes first.
+constexpr int64_t kDirectRunElements = 256;
+constexpr int64_t kGatherBytes = 16 * 1024;
+
+// Contiguous-run kernels of one instruction-set level. Floating kernels take the raw bits.
+struct KernelTable {
+  const char* isa;
+  void (*float8)(const uint8_t* p, int64_t n, const FloatFormat& f, FloatStatsAccum& acc);
+  void (*float16)(const uint16_t* p, int64_t n, const FloatFormat& f, FloatStatsAccum& acc);
+  void (*float32)(const uint32_t* p, int64_t n, const FloatFormat& f, FloatStatsAccum& acc);
+  void (*float64)(const uint64_t* p, int64_t n, const FloatFormat& f, FloatStatsAccum& acc);
+  void (*int8)(const int8_t* p, int64_t n, IntStatsAccum& acc);
+  void (*int16)(const int16_t* p, int64_t n, IntStatsAccum& acc);
+  void (*int32)(const int32_t* p, int64_t n, IntStatsAccum& acc);
+  void (*int64)(const int64_t* p, int64_t n, IntStatsAccum& acc);
+  void (*uint8)(const uint8_t* p, int64_t n, IntStatsAccum& acc);  // also bool (bytes 0/1)
+  void (*uint16)(const uint16_t* p, int64_t n, IntStatsAccum& acc);
+  void (*uint32)(const uint32_t* p, int64_t n, IntStatsAccum& acc);
+  void (*uint64)(const uint64_t* p, int64_t n, IntStatsAccum& acc);
+};
+
+const KernelTable& baseline_kernels();
+const KernelTable& avx2_kernels();
+const KernelTable& avx512_kernels();
+
+// The table this process uses: the best level this CPU supports, chosen on first use.
+// NUMGUARD_CPU_ISA=baseline|avx2|avx512 caps the level (for testing and comparisons).
+const KernelTable& active_kernels();
+
+// Names of the levels compiled into this build, best first.
+const char* const* built_isa_names(int* count);
+
+}  // namespace cpu
+}  // namespace numguard

@@ -1,0 +1,381 @@
+// CPU implementations of numguard's ops: tensor_stats, multi_tensor_stats, record_.
+//
+// A tensor becomes a `Plan`: its element kind and how to walk its memory without a copy
+// (NOTE: [layouts]). The work of one call, over all its tensors, is a flat list of fixed-size
+// chunks; chunks run on at::parallel_for and each fills its own partial accumulator, and a
+// tensor's partials are merged in chunk order. Accumulators merge exactly (NOTE: [magnitude bits]
+// in numguard/stats_reduce.h), so records are identical for any thread count.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/SmallVector.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "numguard/stats_reduce.h"
+#include "reduce_kernels.h"
+
+namespace numguard {
+namespace cpu {
+namespace {
+
+enum class Kind : uint8_t { F64, F32, F16, BF16, F8E4M3FN, F8E5M2, I8, I16, I32, I64, U8, U16, U32, U64, Bool };
+
+struct DtypeInfo {
+  Kind kind;
+  int elem_size;
+  const FloatFormat* format;  // nullptr for integer and bool kinds
+};
+
+constexpr const char* kSupportedDtypes =
+    "float64, float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int8, int16, int32, int64, uint8, "
+    "uint16, uint32, uint64, bool";
+
+DtypeInfo dtype_info(const at::Tensor& x, const std::string& name) {
+  switch (x.scalar_type()) {
+    case at::kDouble: return {Kind::F64, 8, &kFloat64Format};
+    case at::kFloat: return {Kind::F32, 4, &kFloat32Format};
+    case at::kHalf: return {Kind::F16, 2, &kFloat16Format};
+    case at::kBFloat16: return {Kind::BF16, 2, &kBFloat16Format};
+    case at::kFloat8_e4m3fn: return {Kind::F8E4M3FN, 1, &kFloat8E4M3FNFormat};
+    case at::kFloat8_e5m2: return {Kind::F8E5M2, 1, &kFloat8E5M2Format};
+    case at::kChar: return {Kind::I8, 1, nullptr};
+    case at::kShort: return {Kind::I16, 2, nullptr};
+    case at::kInt: return {Kind::I32, 4, nullptr};
+    case at::kLong: return {Kind::I64, 8, nullptr};
+    case at::kByte: return {Kind::U8, 1, nullptr};
+    case at::kUInt16: return {Kind::U16, 2, nullptr};
+    case at::kUInt32: return {Kind::U32, 4, nullptr};
+    case at::kUInt64: return {Kind::U64, 8, nullptr};
+    case at::kBool: return {Kind::Bool, 1, nullptr};
+    default: break;
+  }
+  TORCH_CHECK_TYPE(!x.is_complex(), "numguard: ", name, " has complex dtype ", x.scalar_type(),
+                   "; stats are defined for real tensors: pass torch.view_as_real(", name,
+                   ") to check its real and imaginary parts");
+  TORCH_CHECK_TYPE(false, "numguard: ", name, " has dtype ", x.scalar_type(),
+                   ", which numguard does not support; supported dtypes: ", kSupportedDtypes);
+  return {};  // unreachable
+}
+
+// Index-named argument, e.g. "xs[3]".
+std::string arg_name(const char* what, int64_t index) {
+  return index < 0 ? std::string(what) : std::string(what) + "[" + std::to_string(index) + "]";
+}
+
+void check_input(const at::Tensor& x, const std::string& name) {
+  TORCH_CHECK(x.defined(), "numguard: ", name, " is an undefined tensor; pass a real tensor");
+  TORCH_CHECK(x.layout() == at::kStrided, "numguard: ", name, " has layout ", x.layout(),
+              "; only dense (strided) tensors are supported: pass ", name, ".to_dense()");
+  TORCH_CHECK(x.device().is_cpu(), "numguard: ", name, " is on ", x.device(),
+              " but this is the CPU kernel; all tensors of one call must be on one device");
+}
+
+// Mixed devices in one call: name the first tensor that differs from xs[0].
+void check_same_device(at::TensorList xs, const char* what) {
+  for (size_t i = 0; i < xs.size(); ++i) {
+    TORCH_CHECK(xs[i].defined(), "numguard: ", arg_name(what, i), " is an undefined tensor");
+    TORCH_CHECK(xs[i].device() == xs[0].device(), "numguard: ", arg_name(what, i), " is on ", xs[i].device(),
+                " but ", arg_name(what, 0), " is on ", xs[0].device(),
+                "; all tensors of one call must be on one device: split the call per device");
+  }
+}
+
+// NOTE: [layouts]
+// Dims of size 1 are dropped; dims of stride 0 (expanded) are dropped too and their sizes
+// multiply the counts at finalize (`repeat`), since they only repeat the same values. The rest
+// are ordered by stride, outermost first, and adjacent dims that address memory as one are
+// merged. A non-overlapping and dense tensor (contiguous, transposed, channels_last, any
+// permutation) collapses to one dim of stride 1: its storage span is reduced directly. Anything
+// else is walked as runs of its innermost dim: long unit-stride runs are reduced in place, short
+// or strided runs are gathered into a small local buffer first. No layout needs a full copy.
+struct Plan {
+  const char* base = nullptr;
+  int64_t numel = 0;   // elements visited (stride-0 dims excluded)
+  int64_t repeat = 1;  // product of the sizes of stride-0 dims
+  DtypeInfo info{};
+  c10::SmallVector<int64_t, 6> sizes;    // empty: dense span base[0, numel)
+  c10::SmallVector<int64_t, 6> strides;  // in elements, outermost first
+  int64_t chunk_elems = 0;
+  int64_t num_chunks = 0;
+};
+
+Plan make_plan(const at::Tensor& x, const DtypeInfo& info) {
+  Plan plan;
+  plan.info = info;
+  plan.chunk_elems = kChunkBytes / info.elem_size;
+  if (x.numel() == 0) return plan;  // numel 0, no chunks: the empty record
+  plan.base = static_cast<const char*>(x.const_data_ptr());
+  c10::SmallVector<std::pair<int64_t, int64_t>, 6> dims;  // (stride, size)
+  for (int64_t d = 0; d < x.dim(); ++d) {
+    const int64_t size = x.size(d);
+    const int64_t stride = x.stride(d);
+    if (size == 1) continue;
+    if (stride == 0) {
+      plan.repeat *= size;
+      continue;
+    }
+    dims.emplace_back(stride, size);
+  }
+  // Outermost (largest stride) first. PyTorch strides are never negative.
+  std::stable_sort(dims.begin(), dims.end(),
+                   [](const std::pair<int64_t, int64_t>& a, const std::pair<int64_t, int64_t>& b) {
+                     return a.first > b.first;
+                   });
+  int64_t numel = 1;
+  for (const auto& d : dims) {
+    if (!plan.sizes.empty() && plan.strides.back() == d.first * d.second) {
+      // The previous (outer) dim steps exactly over this one: merge them.
+      plan.sizes.back() *= d.second;
+      plan.strides.back() = d.first;
+    } else {
+      plan.sizes.push_back(d.second);
+      plan.strides.push_back(d.first);
+    }
+    numel *= d.second;
+  }
+  plan.numel = numel;
+  if (plan.sizes.empty() || (plan.sizes.size() == 1 && plan.strides[0] == 1)) {
+    plan.sizes.clear();
+    plan.strides.clear();
+  }
+  plan.num_chunks = (numel + plan.chunk_elems - 1) / plan.chunk_elems;
+  return plan;
+}
+
+struct Partial {
+  FloatStatsAccum f;
+  IntStatsAccum i;
+  void init() {
+    f.init();
+    i.init();
+  }
+};
+
+void reduce_contiguous(const KernelTable& k, Kind kind, const FloatFormat* fmt, const void* p, int64_t n,
+                       Partial& acc) {
+  switch (kind) {
+    case Kind::F64: k.float64(static_cast<const uint64_t*>(p), n, *fmt, acc.f); break;
+    case Kind::F32: k.float32(static_cast<const uint32_t*>(p), n, *fmt, acc.f); break;
+    case Kind::F16:
+    case Kind::BF16: k.float16(static_cast<const uint16_t*>(p), n, *fmt, acc.f); break;
+    case Kind::F8E4M3FN:
+    case Kind::F8E5M2: k.float8(static_cast<const uint8_t*>(p), n, *fmt, acc.f); break;
+    case Kind::I8: k.int8(static_cast<const int8_t*>(p), n, acc.i); break;
+    case Kind::I16: k.int16(static_cast<const int16_t*>(p), n, acc.i); break;
+    case Kind::I32: k.int32(static_cast<const int32_t*>(p), n, acc.i); break;
+    case Kind::I64: k.int64(static_cast<const int64_t*>(p), n, acc.i); break;
+    case Kind::U8:
+    case Kind::Bool: k.uint8(static_cast<const uint8_t*>(p), n, acc.i); break;
+    case Kind::U16: k.uint16(static_cast<const uint16_t*>(p), n, acc.i); break;
+    case Kind::U32: k.uint32(static_cast<const uint32_t*>(p), n, acc.i); break;
+    case Kind::U64: k.uint64(static_cast<const uint64_t*>(p), n, acc.i); break;
+  }
+}
+
+// Walks logical elements [begin, end) of a non-dense plan (NOTE: [layouts]).
+template <typename E>
+void reduce_strided(const KernelTable& k, const Plan& plan, int64_t begin, int64_t end, Partial& acc) {
+  const int nd = static_cast<int>(plan.sizes.size());
+  const int inner = nd - 1;
+  const E* base = reinterpret_cast<const E*>(plan.base);
+  c10::SmallVector<int64_t, 6> idx(nd, 0);
+  int64_t offset = 0;
+  int64_t rem = begin;
+  for (int d = inner; d >= 0; --d) {
+    idx[d] = rem % plan.sizes[d];
+    rem /= plan.sizes[d];
+    offset += idx[d] * plan.strides[d];
+  }
+  alignas(64) E buffer[kGatherBytes / sizeof(E)];
+  constexpr int64_t kCap = kGatherBytes / sizeof(E);
+  int64_t buffered = 0;
+  const int64_t inner_size = plan.sizes[inner];
+  const int64_t inner_stride = plan.strides[inner];
+  for (int64_t pos = begin; pos < end;) {
+    const int64_t left_in_row = inner_size - idx[inner];
+    const int64_t run = left_in_row < end - pos ? left_in_row : end - pos;
+    const E* src = base + offset;
+    if (inner_stride == 1 && run >= kDirectRunElements) {
+      reduce_contiguous(k, plan.info.kind, plan.info.format, src, run, acc);
+    } else {
+      for (int64_t j = 0; j < run;) {
+        const int64_t take = std::min(run - j, kCap - buffered);
+        for (int64_t t = 0; t < take; ++t) buffer[buffered + t] = src[(j + t) * inner_stride];
+        buffered += take;
+        j += take;
+        if (buffered == kCap) {
+          reduce_contiguous(k, plan.info.kind, plan.info.format, buffer, buffered, acc);
+          buffered = 0;
+        }
+      }
+    }
+    pos += run;
+    idx[inner] += run;
+    offset += run * inner_stride;
+    for (int d = inner; d > 0 && idx[d] == plan.sizes[d]; --d) {
+      offset -= idx[d] * plan.strides[d];
+      idx[d] = 0;
+      ++idx[d - 1];
+      offset += plan.strides[d - 1];
+    }
+  }
+  if (buffered > 0) reduce_contiguous(k, plan.info.kind, plan.info.format, buffer, buffered, acc);
+}
+
+void reduce_chunk(const KernelTable& k, const Plan& plan, int64_t chunk, Partial& acc) {
+  const int64_t begin = chunk * plan.chunk_elems;
+  const int64_t end = std::min(plan.numel, begin + plan.chunk_elems);
+  if (plan.sizes.empty()) {
+    reduce_contiguous(k, plan.info.kind, plan.info.format, plan.base + begin * plan.info.elem_size, end - begin,
+                      acc);
+    return;
+  }
+  switch (plan.info.elem_size) {
+    case 1: reduce_strided<uint8_t>(k, plan, begin, end, acc); break;
+    case 2: reduce_strided<uint16_t>(k, plan, begin, end, acc); break;
+    case 4: reduce_strided<uint32_t>(k, plan, begin, end, acc); break;
+    default: reduce_strided<uint64_t>(k, plan, begin, end, acc); break;
+  }
+}
+
+void finalize(const Plan& plan, const Partial& acc, double* out) {
+  if (plan.numel == 0) {
+    empty_record(out);
+  } else if (plan.info.format != nullptr) {
+    acc.f.finalize(*plan.info.format, plan.repeat, out);
+  } else {
+    acc.i.finalize(plan.repeat, out);
+  }
+}
+
+// Records of every plan into out[n][kNumStats]. Allocates two vectors for the whole call.
+void compute_records(const std::vector<Plan>& plans, double* out) {
+  const int64_t n = static_cast<int64_t>(plans.size());
+  std::vector<int64_t> first_chunk(n + 1, 0);
+  int64_t total_bytes = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    first_chunk[i + 1] = first_chunk[i] + plans[i].num_chunks;
+    total_bytes += plans[i].numel * plans[i].info.elem_size;
+  }
+  const int64_t total_chunks = first_chunk[n];
+  std::vector<Partial> partials(total_chunks);
+  const KernelTable& k = active_kernels();
+  auto run = [&](int64_t begin, int64_t end) {
+    // The plan holding chunk `begin`: the last i with first_chunk[i] <= begin (skipping empty plans).
+    int64_t i = std::upper_bound(first_chunk.begin(), first_chunk.end(), begin) - first_chunk.begin() - 1;
+    for (int64_t c = begin; c < end; ++c) {
+      while (c >= first_chunk[i + 1]) ++i;
+      Partial& acc = partials[c];
+      acc.init();
+      reduce_chunk(k, plans[i], c - first_chunk[i], acc);
+    }
+  };
+  if (total_bytes < kParallelMinBytes || total_chunks <= 1) {
+    run(0, total_chunks);
+  } else {
+    at::parallel_for(0, total_chunks, 1, run);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    Partial acc;
+    acc.init();
+    for (int64_t c = first_chunk[i]; c < first_chunk[i + 1]; ++c) {  // chunk order
+      acc.f.merge(partials[c].f);
+      acc.i.merge(partials[c].i);
+    }
+    finalize(plans[i], acc, out + i * kNumStats);
+  }
+}
+
+std::vector<Plan> make_plans(at::TensorList xs, const char* what) {
+  check_same_device(xs, what);
+  std::vector<Plan> plans;
+  plans.reserve(xs.size());
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const std::string name = arg_name(what, static_cast<int64_t>(i));
+    check_input(xs[i], name);
+    plans.push_back(make_plan(xs[i], dtype_info(xs[i], name)));
+  }
+  return plans;
+}
+
+at::Tensor tensor_stats_cpu(const at::Tensor& x) {
+  check_input(x, "x");
+  std::vector<Plan> plans;
+  plans.push_back(make_plan(x, dtype_info(x, "x")));
+  at::Tensor out = at::empty({kNumStats}, x.options().dtype(at::kDouble));
+  compute_records(plans, out.mutable_data_ptr<double>());
+  return out;
+}
+
+at::Tensor multi_tensor_stats_cpu(at::TensorList xs) {
+  const std::vector<Plan> plans = make_plans(xs, "xs");
+  at::Tensor out = at::empty({static_cast<int64_t>(xs.size()), kNumStats}, at::TensorOptions().dtype(at::kDouble));
+  if (!plans.empty()) compute_records(plans, out.mutable_data_ptr<double>());
+  return out;
+}
+
+// finfo.max of the low-precision formats whose headroom record_ checks; 0 for the others.
+double headroom_limit(const DtypeInfo& info) {
+  switch (info.kind) {
+    case Kind::F16:
+    case Kind::BF16:
+    case Kind::F8E4M3FN:
+    case Kind::F8E5M2: return decode_magnitude(info.format->finite_limit - 1, *info.format);
+    default: return 0.0;
+  }
+}
+
+void record_cpu(const at::Tensor& ring, const at::Tensor& state, at::TensorList xs, int64_t position,
+                double headroom) {
+  TORCH_CHECK(ring.defined() && ring.device().is_cpu() && ring.layout() == at::kStrided,
+              "numguard: ring must be a dense CPU tensor here, got ",
+              ring.defined() ? c10::str(ring.device(), " ", ring.layout()) : std::string("undefined"));
+  TORCH_CHECK(ring.scalar_type() == at::kDouble && ring.dim() == 2 && ring.size(0) >= 1 && ring.size(1) == kNumStats,
+              "numguard: ring must be float64[R, ", kNumStats, "] with R >= 1 (see numguard.ops.new_ring), got ",
+              ring.scalar_type(), ring.sizes());
+  TORCH_CHECK(state.defined() && state.device().is_cpu() && state.layout() == at::kStrided,
+              "numguard: state must be a dense tensor on the ring's device (cpu)",
+              state.defined() ? c10::str(", got ", state.device()) : std::string());
+  TORCH_CHECK(state.scalar_type() == at::kLong && state.dim() == 1 && state.size(0) == kStateSize,
+              "numguard: state must be int64[", kStateSize, "] (see numguard.ops.new_ring), got ", state.scalar_type(),
+              state.sizes());
+  for (size_t i = 0; i < xs.size(); ++i) {
+    TORCH_CHECK(xs[i].defined() && xs[i].device() == ring.device(), "numguard: xs[", i, "] is on ",
+                xs[i].defined() ? c10::str(xs[i].device()) : std::string("(undefined)"), " but the ring is on ",
+                ring.device(), "; record tensors on the ring's device");
+  }
+  if (xs.empty()) return;
+  const std::vector<Plan> plans = make_plans(xs, "xs");
+  auto state_acc = state.accessor<int64_t, 1>();
+  if (state_acc[kTripped] != 0) return;  // frozen: nothing is written, state is final
+  const int64_t n = static_cast<int64_t>(plans.size());
+  std::vector<double> records(n * kNumStats);
+  std::vector<double> max_values(n);
+  compute_records(plans, records.data());
+  for (int64_t i = 0; i < n; ++i) max_values[i] = headroom_limit(plans[i].info);
+  int64_t st[kStateSize];
+  for (int j = 0; j < kStateSize; ++j) st[j] = state_acc[j];
+  const bool write = update_recording_state(st, records.data(), max_values.data(), n, position, headroom);
+  for (int j = 0; j < kStateSize; ++j) state_acc[j] = st[j];
+  if (!write) return;
+  auto ring_acc = ring.accessor<double, 2>();
+  const int64_t rows = ring.size(0);
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t row = (position + i) % rows;
+    if (row < 0) row += rows;
+    for (int j = 0; j < kNumStats; ++j) ring_acc[row][j] = records[i * kNumStats + j];
+  }
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace numguard
+
+TORCH_LIBRARY_IMPL(numguard, CPU, m) {
+  m.impl("tensor_stats", &numguard::cpu::tensor_stats_cpu);
+  m.impl("multi_tensor_stats", &numguard::cpu::multi_tensor_stats_cpu);
+  m.impl("record_", &numguard::cpu::record_cpu);
+}
