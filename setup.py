@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -87,9 +88,38 @@ def _extensions():
                             "nvcc": ["-O3"]})]
 
 
+STARTUP_HOOK_SOURCE = os.path.join("numguard", "_startup.pth")
+STARTUP_HOOK_NAME = "numguard-startup.pth"  # sorts after setuptools' __editable__ files
+
+
+class BuildPyWithStartupHook(build_py):
+    """Also install numguard's start-up hook at the top of site-packages, where Python's `site`
+    runs it at every start-up (it does nothing unless NUMGUARD is set; see numguard/_startup.py).
+    A regular build puts it at the top of the wheel; an editable install at the top of the
+    editable wheel, which setuptools builds from its install folder."""
+
+    def run(self):
+        super().run()
+        self.copy_file(os.path.join(HERE, STARTUP_HOOK_SOURCE),
+                       os.path.join(self._startup_hook_folder(), STARTUP_HOOK_NAME),
+                       preserve_mode=False)
+
+    def _startup_hook_folder(self):
+        if getattr(self, "editable_mode", False):
+            return self.get_finalized_command("install").install_lib
+        return self.build_lib
+
+    def get_outputs(self, include_bytecode=True):
+        outputs = list(super().get_outputs(include_bytecode))
+        if not getattr(self, "editable_mode", False):
+            outputs.append(os.path.join(self.build_lib, STARTUP_HOOK_NAME))
+        return outputs
+
+
 def _cmdclass():
     from torch.utils import cpp_extension
-    return {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}
+    return {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True),
+            "build_py": BuildPyWithStartupHook}
 
 
 setup(ext_modules=_extensions(), cmdclass=_cmdclass())

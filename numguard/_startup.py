@@ -1,0 +1,246 @@
+"""Start-up activation: ``NUMGUARD=1`` watches every root module of a script that never imports
+numguard.
+
+Installing numguard installs ``numguard-startup.pth`` into site-packages. Python's ``site`` runs its
+one line at every start-up; the line reads ``os.environ["NUMGUARD"]`` and stops there unless it is
+set to something other than 0. Only then does it load this file (by path: neither ``numguard``'s
+package nor torch is imported) and call :func:`activate`, which adds an import watcher for torch and
+returns. Start-up therefore imports nothing with ``NUMGUARD`` unset, and with it set it still does
+not import torch before the script does (a script may set ``CUDA_VISIBLE_DEVICES`` or thread counts
+before its ``import torch``).
+
+Once the script's ``import torch`` has finished, numguard validates every ``NUMGUARD_*`` variable (an
+invalid one fails that import with an error naming it), and registers one global forward pre-hook:
+a module called while no watched module is running is a root, and gets ``numguard.watch(root)``
+with the settings of the variables. Calls inside a watched root return from that hook at once (one
+integer test); so do calls of any module under a watched root.
+
+This file must stay importable without numguard's package and without torch.
+"""
+import os
+import sys
+
+__all__ = ["activate", "auto_watcher", "PTH_NAME", "pth_path"]
+
+PTH_NAME = "numguard-startup.pth"
+
+
+def pth_path():
+    """The start-up hook file shipped in the package (installed as ``PTH_NAME``)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "_startup.pth")
+
+
+_activated = False
+_watcher = None
+
+
+def activate():
+    """Arrange for numguard to watch the script's root modules once torch is imported.
+
+    Called by the start-up hook when ``NUMGUARD`` is set; imports nothing. Safe to call twice.
+    """
+    global _activated
+    if _activated:
+        return
+    _activated = True
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(getattr(torch, "__spec__", None), "_initializing", False) is False:
+        _on_torch_imported()
+        return
+    sys.meta_path.insert(0, _TorchImportFinder())
+
+
+def auto_watcher():
+    """The :class:`AutoWatcher` that ``NUMGUARD=1`` installed, or None."""
+    return _watcher
+
+
+class _TorchImportFinder:
+    """A meta path finder that finds nothing itself: when ``torch`` is about to be imported it asks
+    the other finders for torch's spec and makes its loader call us back after torch's module ran."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "torch":
+            return None
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+        import importlib.util
+
+        spec = importlib.util.find_spec(fullname)
+        loader = getattr(spec, "loader", None)
+        original = getattr(loader, "exec_module", None)
+        if original is None:
+            sys.stderr.write("numguard: NUMGUARD=1 is set but torch's import cannot be followed; "
+                             "call numguard.watch(model) in the script instead\n")
+            return spec
+
+        def exec_module(module):
+            try:
+                original(module)
+            finally:
+                try:
+                    del loader.exec_module  # the loader is torch's own; leave it as it was
+                except AttributeError:
+                    pass
+            _on_torch_imported()
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def _on_torch_imported():
+    """torch has been imported: validate the settings, then install the root watcher."""
+    global _watcher
+    import logging
+
+    from numguard import env
+
+    try:
+        env.validate()
+    except env.EnvironmentSettingError as exc:
+        raise env.EnvironmentSettingError(exc.variable, exc.value, exc.accepted) from None
+    level = env.log_level_from_env()
+    if level is not None:
+        logging.getLogger("numguard").setLevel(level)
+    if _watcher is None:
+        _watcher = AutoWatcher(env.settings_from_env())
+        _watcher.install()
+    if env.dist_settings_from_env()["dist_check"]:
+        try:
+            from numguard import distributed
+            distributed.guard_collectives()
+        except Exception as exc:  # numguard's failure must not kill the job
+            import warnings
+            warnings.warn(f"numguard: NUMGUARD_DIST_CHECK=1 but the collective checks could not be "
+                          f"installed ({type(exc).__name__}: {exc}); collectives are not checked",
+                          RuntimeWarning, stacklevel=2)
+
+
+def _has_numguard_hooks(module):
+    """True when some numguard inspector already hooks this module (e.g. the script's own watch())."""
+    for hooks in (module._forward_hooks, module._forward_pre_hooks):
+        for hook in hooks.values():
+            owner = getattr(hook, "__module__", None) or getattr(getattr(hook, "func", None), "__module__", "")
+            if owner and owner.startswith("numguard") and owner != __name__:
+                return True
+    return False
+
+
+class AutoWatcher:
+    """Watches every root module the script calls (a module called while no watched module runs).
+
+    Args:
+        watch_kwargs: keyword arguments for every ``numguard.watch`` call (the variables' settings).
+    """
+
+    def __init__(self, watch_kwargs):
+        import weakref
+
+        self.watch_kwargs = dict(watch_kwargs)
+        self.running = 0                  # watched roots currently inside their forward
+        self.covered = weakref.WeakSet()  # every module under a watched root, roots included
+        self.inspectors = []              # (weakref to root, Inspector), oldest first
+        self.handle = None
+        self._is_compiling = None
+
+    def install(self):
+        import torch
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        self._is_compiling = torch.compiler.is_compiling
+        self.handle = register_module_forward_pre_hook(self._global_pre_hook)
+
+    def close(self):
+        """Remove the global hook and close every inspector this watcher opened."""
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+        for _, inspector in self.inspectors:
+            inspector.close()
+        self.inspectors.clear()
+
+    def roots(self):
+        """The modules watched as roots, oldest first (those still alive)."""
+        return [ref() for ref, _ in self.inspectors if ref() is not None]
+
+    # NOTE: [root detection cost] This hook runs before every module call in the process. Inside a
+    # watched root it returns after one integer test; the rest runs once per new root.
+    def _global_pre_hook(self, module, args):
+        if self.running or module in self.covered or self._is_compiling():
+            return None
+        return self._new_root(module, args)
+
+    def _enter(self, module, args):
+        self.running += 1
+
+    def _exit(self, module, args, output):
+        self.running -= 1
+
+    def _new_root(self, module, args):
+        import warnings
+
+        if _has_numguard_hooks(module):  # the script watches it itself
+            self.covered.update(module.modules())
+            return None
+        submodules = list(module.modules())
+        inner = set(map(id, submodules))
+        kept = []
+        for ref, inspector in self.inspectors:  # a new root above an earlier one subsumes it
+            root = ref()
+            if root is not None and id(root) in inner:
+                inspector.close()
+            else:
+                kept.append((ref, inspector))
+        self.inspectors = kept
+        self.covered.update(submodules)
+        pre_hooks_before = set(module._forward_pre_hooks)
+        try:
+            import numguard
+
+            inspector = numguard.watch(module, **self.watch_kwargs)
+        except Exception as exc:  # numguard's failure must not kill the job
+            warnings.warn(f"numguard: could not watch {type(module).__name__} "
+                          f"({type(exc).__name__}: {exc}); it runs unwatched", RuntimeWarning,
+                          stacklevel=3)
+            return None
+        import weakref
+
+        self.inspectors.append((weakref.ref(module), inspector))
+        # This call already runs: torch took its list of pre-hooks before ours ran, so run the
+        # ones watch() just added, and count this call as running (its forward hooks will run).
+        new_args = None
+        kwargs = _call_kwargs()
+        for hook_id, hook in list(module._forward_pre_hooks.items()):
+            if hook_id in pre_hooks_before:
+                continue
+            call_args = args if new_args is None else new_args
+            if hook_id in module._forward_pre_hooks_with_kwargs:
+                result = hook(module, call_args, kwargs)
+                if result is not None:
+                    new_args, new_kwargs = result
+                    kwargs.clear()
+                    kwargs.update(new_kwargs)
+            else:
+                result = hook(module, call_args)
+                if result is not None:
+                    new_args = result if isinstance(result, tuple) else (result,)
+        module.register_forward_pre_hook(self._enter)
+        module.register_forward_hook(self._exit, always_call=True)
+        self.running += 1
+        return new_args
+
+
+def _call_kwargs():
+    """The keyword arguments of the module call in progress: torch's ``Module._call_impl`` keeps
+    them in its ``inner`` closure, the caller of the global pre-hook (three frames up from here).
+    An empty dict when they cannot be found there."""
+    try:
+        frame = sys._getframe(3)
+    except ValueError:
+        return {}
+    if frame.f_code.co_name != "inner" or "_call_impl" not in frame.f_code.co_qualname:
+        return {}
+    kwargs = frame.f_locals.get("kwargs")
+    return kwargs if isinstance(kwargs, dict) else {}
