@@ -1,0 +1,434 @@
+// numguard's CUDA kernels: one-pass stats over many tensors per launch, a deterministic cleanup
+// that merges per-block partials, and the single-block recording step of record_.
+//
+// The reduction math is the shared header's (numguard/stats_reduce.h); this file only decides how
+// the elements reach it: 16-byte vector loads, a fast path for vectors of normal values, and the
+// multi-tensor launch shape (NOTE: [multi-tensor table] in stats_launch.cuh).
+#include <cuda_runtime.h>
+
+#include <type_traits>
+
+#include <c10/cuda/CUDAException.h>
+
+#include "numguard/stats_reduce.h"
+#include "stats_launch.cuh"
+
+namespace numguard {
+namespace cuda {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Element formats. Namespace-scope constexpr structs cannot be read from device code, so each
+// format is rebuilt here from the shared header's constexpr builder (checked equal below).
+
+__device__ __forceinline__ FloatFormat float8_e4m3fn_format() {
+  return FloatFormat{0x80, 0x7F, 0x7F, 0x08, 3, 7, false};
+}
+
+static_assert(kFloat8E4M3FNFormat.sign_mask == 0x80 && kFloat8E4M3FNFormat.finite_limit == 0x7F &&
+                  kFloat8E4M3FNFormat.inf_bits == 0x7F && kFloat8E4M3FNFormat.min_normal == 0x08 &&
+                  kFloat8E4M3FNFormat.mantissa_bits == 3 && kFloat8E4M3FNFormat.exponent_bias == 7 &&
+                  !kFloat8E4M3FNFormat.has_inf,
+              "float8_e4m3fn_format() must match kFloat8E4M3FNFormat");
+
+// Traits of a floating element: storage type, lane masks and the format.
+template <typename StorageT, int kExponentBits, int kMantissaBits>
+struct IeeeElement {
+  using Storage = StorageT;
+  static constexpr uint64_t kMagnitudeMask = (uint64_t{1} << (kExponentBits + kMantissaBits)) - 1;
+  static constexpr uint64_t kMinNormal = uint64_t{1} << kMantissaBits;
+  static constexpr uint64_t kFiniteLimit = ((uint64_t{1} << kExponentBits) - 1) << kMantissaBits;
+  __device__ __forceinline__ static FloatFormat format() { return ieee_format(kExponentBits, kMantissaBits); }
+};
+
+struct E4M3FNElement {
+  using Storage = uint8_t;
+  static constexpr uint64_t kMagnitudeMask = 0x7F;
+  static constexpr uint64_t kMinNormal = 0x08;
+  static constexpr uint64_t kFiniteLimit = 0x7F;
+  __device__ __forceinline__ static FloatFormat format() { return float8_e4m3fn_format(); }
+};
+
+using Float64Element = IeeeElement<uint64_t, 11, 52>;
+using Float32Element = IeeeElement<uint32_t, 8, 23>;
+using Float16Element = IeeeElement<uint16_t, 5, 10>;
+using BFloat16Element = IeeeElement<uint16_t, 8, 7>;
+using Float8E5M2Element = IeeeElement<uint8_t, 5, 2>;
+
+static_assert(Float32Element::kFiniteLimit == kFloat32Format.finite_limit &&
+                  Float32Element::kMinNormal == kFloat32Format.min_normal &&
+                  Float16Element::kFiniteLimit == kFloat16Format.finite_limit &&
+                  BFloat16Element::kMinNormal == kBFloat16Format.min_normal &&
+                  Float8E5M2Element::kFiniteLimit == kFloat8E5M2Format.finite_limit &&
+                  Float64Element::kMinNormal == kFloat64Format.min_normal,
+              "element traits must match the shared formats");
+
+__device__ __forceinline__ FloatFormat format_of(ElementKind kind) {
+  switch (kind) {
+    case ElementKind::kFloat64: return Float64Element::format();
+    case ElementKind::kFloat32: return Float32Element::format();
+    case ElementKind::kFloat16: return Float16Element::format();
+    case ElementKind::kBFloat16: return BFloat16Element::format();
+    case ElementKind::kFloat8E5M2: return Float8E5M2Element::format();
+    default: return float8_e4m3fn_format();
+  }
+}
+
+__device__ __forceinline__ bool is_float_kind(ElementKind kind) {
+  return static_cast<int>(kind) <= static_cast<int>(ElementKind::kFloat8E5M2);
+}
+
+// finfo.max of the dtypes whose headroom record_ checks; 0 for the others.
+__device__ __forceinline__ double headroom_max_of(ElementKind kind) {
+  switch (kind) {
+    case ElementKind::kFloat16: return 65504.0;
+    case ElementKind::kBFloat16: return 3.3895313892515355e38;
+    case ElementKind::kFloat8E4M3FN: return 448.0;
+    case ElementKind::kFloat8E5M2: return 57344.0;
+    default: return 0.0;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Visitors: what a thread does with one element (scalar) or one 16-byte vector.
+
+// NOTE: [vector fast path]
+// For a 16-byte vector the thread first takes the unsigned min and max of its lanes' magnitude bits
+// (packed SIMD for 8- and 16-bit lanes). When min >= min_normal and max < finite_limit, every lane
+// is normal, finite and non-zero, so the vector changes only the running min/max magnitude and no
+// counter: that is all the work done for typical data. Any other vector (a zero, subnormal, Inf or
+// NaN among its lanes) goes lane by lane through the shared FloatStatsAccum::add.
+template <typename E>
+struct FloatVisitor {
+  using Storage = typename E::Storage;
+  FloatStatsAccum acc;
+  uint64_t fast_min;
+  uint64_t fast_max;
+
+  __device__ __forceinline__ void init() {
+    acc.init();
+    fast_min = ~uint64_t{0};
+    fast_max = 0;
+  }
+
+  __device__ __forceinline__ void scalar(Storage raw) { acc.add(static_cast<uint64_t>(raw), E::format()); }
+
+  __device__ __forceinline__ void slow_vector(const uint4& v) {
+    union {
+      uint4 vec;
+      Storage lanes[16 / sizeof(Storage)];
+    } u;
+    u.vec = v;
+    const FloatFormat f = E::format();
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(16 / sizeof(Storage)); ++i) acc.add(static_cast<uint64_t>(u.lanes[i]), f);
+  }
+
+  __device__ __forceinline__ void vector(const uint4& v) {
+    uint64_t lo, hi;
+    if constexpr (sizeof(Storage) == 1) {
+      const uint32_t m = static_cast<uint32_t>(E::kMagnitudeMask) * 0x01010101u;
+      const uint32_t a = v.x & m, b = v.y & m, c = v.z & m, d = v.w & m;
+      uint32_t mn = __vminu4(__vminu4(a, b), __vminu4(c, d));
+      uint32_t mx = __vmaxu4(__vmaxu4(a, b), __vmaxu4(c, d));
+      mn = __vminu4(mn, mn >> 16);
+      mx = __vmaxu4(mx, mx >> 16);
+      mn = __vminu4(mn, mn >> 8);
+      mx = __vmaxu4(mx, mx >> 8);
+      lo = mn & 0xFF;
+      hi = mx & 0xFF;
+    } else if constexpr (sizeof(Storage) == 2) {
+      const uint32_t m = static_cast<uint32_t>(E::kMagnitudeMask) * 0x00010001u;
+      const uint32_t a = v.x & m, b = v.y & m, c = v.z & m, d = v.w & m;
+      const uint32_t mn = __vminu2(__vminu2(a, b), __vminu2(c, d));
+      const uint32_t mx = __vmaxu2(__vmaxu2(a, b), __vmaxu2(c, d));
+      lo = min(mn & 0xFFFFu, mn >> 16);
+      hi = max(mx & 0xFFFFu, mx >> 16);
+    } else if constexpr (sizeof(Storage) == 4) {
+      const uint32_t m = static_cast<uint32_t>(E::kMagnitudeMask);
+      const uint32_t a = v.x & m, b = v.y & m, c = v.z & m, d = v.w & m;
+      lo = min(min(a, b), min(c, d));
+      hi = max(max(a, b), max(c, d));
+    } else {
+      const uint64_t a = ((static_cast<uint64_t>(v.y) << 32) | v.x) & E::kMagnitudeMask;
+      const uint64_t b = ((static_cast<uint64_t>(v.w) << 32) | v.z) & E::kMagnitudeMask;
+      lo = a < b ? a : b;
+      hi = a < b ? b : a;
+    }
+    if (lo >= E::kMinNormal && hi < E::kFiniteLimit) {
+      fast_min = lo < fast_min ? lo : fast_min;
+      fast_max = hi > fast_max ? hi : fast_max;
+    } else {
+      slow_vector(v);
+    }
+  }
+
+  __device__ __forceinline__ FloatStatsAccum result() {
+    if (fast_max != 0) acc.add_normal_range(fast_min, fast_max);
+    return acc;
+  }
+};
+
+// Integers and bool: values, as unsigned magnitudes (no non-finite, no fast path needed). bool is
+// read as its byte, any non-zero byte being true.
+template <typename T, bool kIsBool = false>
+struct IntVisitor {
+  using Storage = T;
+  IntStatsAccum acc;
+
+  __device__ __forceinline__ void init() { acc.init(); }
+
+  __device__ __forceinline__ void scalar(T v) {
+    if constexpr (kIsBool) {
+      acc.add_magnitude(v != 0 ? 1 : 0);
+    } else if constexpr (std::is_unsigned<T>::value) {
+      acc.add_magnitude(static_cast<uint64_t>(v));
+    } else {
+      acc.add_magnitude(int_magnitude(v));
+    }
+  }
+
+  __device__ __forceinline__ void vector(const uint4& v) {
+    union {
+      uint4 vec;
+      T lanes[16 / sizeof(T)];
+    } u;
+    u.vec = v;
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(16 / sizeof(T)); ++i) scalar(u.lanes[i]);
+  }
+
+  __device__ __forceinline__ IntStatsAccum result() { return acc; }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Scanning a chunk: scalar head up to 16-byte alignment, unrolled vector body, scalar tail.
+
+constexpr int kUnroll = 4;  // vectors in flight per thread
+
+template <typename Visitor, typename Storage>
+__device__ __forceinline__ void scan_chunk(const Storage* p, int64_t n, Visitor& vis) {
+  constexpr int kLanes = 16 / sizeof(Storage);
+  const int tid = threadIdx.x;
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
+  int64_t head = static_cast<int64_t>(((16 - (addr & 15)) & 15) / sizeof(Storage));
+  if (head > n) head = n;
+  if (tid < head) vis.scalar(p[tid]);
+  const uint4* vec = reinterpret_cast<const uint4*>(p + head);
+  const int64_t num_vec = (n - head) / kLanes;
+  for (int64_t base = tid; base < num_vec; base += static_cast<int64_t>(kUnroll) * kStatsThreads) {
+    uint4 r[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t k = base + static_cast<int64_t>(u) * kStatsThreads;
+      if (k < num_vec) r[u] = __ldg(vec + k);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + static_cast<int64_t>(u) * kStatsThreads < num_vec) vis.vector(r[u]);
+    }
+  }
+  for (int64_t i = head + num_vec * kLanes + tid; i < n; i += kStatsThreads) vis.scalar(p[i]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block reduction of the accumulators (integer merges only: any order gives the same result).
+
+__device__ __forceinline__ uint64_t shfl_down(uint64_t v, int offset) {
+  return static_cast<uint64_t>(__shfl_down_sync(0xffffffffu, static_cast<unsigned long long>(v), offset));
+}
+__device__ __forceinline__ int64_t shfl_down(int64_t v, int offset) {
+  return static_cast<int64_t>(__shfl_down_sync(0xffffffffu, static_cast<long long>(v), offset));
+}
+
+__device__ __forceinline__ FloatStatsAccum shfl_down(const FloatStatsAccum& a, int offset) {
+  FloatStatsAccum r;
+  r.min_abs = shfl_down(a.min_abs, offset);
+  r.max_abs = shfl_down(a.max_abs, offset);
+  r.min_nonzero = shfl_down(a.min_nonzero, offset);
+  r.nan = shfl_down(a.nan, offset);
+  r.pos_inf = shfl_down(a.pos_inf, offset);
+  r.neg_inf = shfl_down(a.neg_inf, offset);
+  r.zero = shfl_down(a.zero, offset);
+  r.subnormal = shfl_down(a.subnormal, offset);
+  return r;
+}
+
+__device__ __forceinline__ IntStatsAccum shfl_down(const IntStatsAccum& a, int offset) {
+  IntStatsAccum r;
+  r.min_abs = shfl_down(a.min_abs, offset);
+  r.max_abs = shfl_down(a.max_abs, offset);
+  r.min_nonzero = shfl_down(a.min_nonzero, offset);
+  r.count = shfl_down(a.count, offset);
+  r.zero = shfl_down(a.zero, offset);
+  return r;
+}
+
+union Partial {
+  FloatStatsAccum f;
+  IntStatsAccum i;
+  int64_t words[kPartialWords];
+};
+static_assert(sizeof(Partial) == kPartialWords * sizeof(int64_t), "a partial is 64 bytes");
+
+// Reduces acc over the block; the result is valid in thread 0. kThreads is a multiple of 32.
+template <int kThreads, typename Accum>
+__device__ __forceinline__ Accum block_reduce(Accum acc) {
+  constexpr int kWarps = kThreads / 32;
+  __shared__ Accum warp_results[kWarps];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) acc.merge(shfl_down(acc, offset));
+  const int warp = threadIdx.x / 32;
+  if ((threadIdx.x & 31) == 0) warp_results[warp] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kWarps; ++w) acc.merge(warp_results[w]);
+  }
+  return acc;
+}
+
+template <typename Visitor>
+__device__ __forceinline__ void stats_block(const void* data, int64_t begin, int64_t count, Partial* out) {
+  using Storage = typename Visitor::Storage;
+  Visitor vis;
+  vis.init();
+  scan_chunk(static_cast<const Storage*>(data) + begin, count, vis);
+  const auto acc = block_reduce<kStatsThreads>(vis.result());
+  if (threadIdx.x == 0) {
+    Partial p;
+    if constexpr (std::is_same<typename std::decay<decltype(acc)>::type, FloatStatsAccum>::value) {
+      p.f = acc;
+    } else {
+      p.i = acc;
+    }
+    *out = p;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernels.
+
+// One block per (tensor, chunk) of the table; writes the block's partial to the workspace.
+__global__ void __launch_bounds__(kStatsThreads) stats_kernel(const TensorTable table, Partial* workspace) {
+  const int32_t b = static_cast<int32_t>(blockIdx.x);
+  // Last tensor whose first block is <= b (tensors without blocks are skipped by construction).
+  int lo = 0, hi = table.num_tensors - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (table.block_start[mid] <= b) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const int t = lo;
+  const int64_t chunk = table.chunk[t];
+  const int64_t begin = static_cast<int64_t>(b - table.block_start[t]) * chunk;
+  const int64_t remaining = table.numel[t] - begin;
+  const int64_t count = remaining < chunk ? remaining : chunk;
+  const void* data = table.data[t];
+  Partial* out = workspace + table.partial_base + b;
+  switch (table.kind[t]) {
+    case ElementKind::kFloat64: stats_block<FloatVisitor<Float64Element>>(data, begin, count, out); break;
+    case ElementKind::kFloat32: stats_block<FloatVisitor<Float32Element>>(data, begin, count, out); break;
+    case ElementKind::kFloat16: stats_block<FloatVisitor<Float16Element>>(data, begin, count, out); break;
+    case ElementKind::kBFloat16: stats_block<FloatVisitor<BFloat16Element>>(data, begin, count, out); break;
+    case ElementKind::kFloat8E4M3FN: stats_block<FloatVisitor<E4M3FNElement>>(data, begin, count, out); break;
+    case ElementKind::kFloat8E5M2: stats_block<FloatVisitor<Float8E5M2Element>>(data, begin, count, out); break;
+    case ElementKind::kInt8: stats_block<IntVisitor<int8_t>>(data, begin, count, out); break;
+    case ElementKind::kUInt8: stats_block<IntVisitor<uint8_t>>(data, begin, count, out); break;
+    case ElementKind::kInt16: stats_block<IntVisitor<int16_t>>(data, begin, count, out); break;
+    case ElementKind::kUInt16: stats_block<IntVisitor<uint16_t>>(data, begin, count, out); break;
+    case ElementKind::kInt32: stats_block<IntVisitor<int32_t>>(data, begin, count, out); break;
+    case ElementKind::kUInt32: stats_block<IntVisitor<uint32_t>>(data, begin, count, out); break;
+    case ElementKind::kInt64: stats_block<IntVisitor<int64_t>>(data, begin, count, out); break;
+    case ElementKind::kUInt64: stats_block<IntVisitor<uint64_t>>(data, begin, count, out); break;
+    case ElementKind::kBool: stats_block<IntVisitor<uint8_t, true>>(data, begin, count, out); break;
+  }
+}
+
+// One block per tensor of the table: merges the tensor's partials and finalizes its record.
+__global__ void __launch_bounds__(kFinalizeThreads)
+    finalize_kernel(const TensorTable table, const Partial* workspace, double* records, double* max_values) {
+  const int t = blockIdx.x;
+  const int64_t first = table.partial_base + table.block_start[t];
+  const int64_t count = table.block_start[t + 1] - table.block_start[t];
+  const ElementKind kind = table.kind[t];
+  double* out = records + (table.first_record + t) * kNumStats;
+  if (is_float_kind(kind)) {
+    FloatStatsAccum acc;
+    acc.init();
+    for (int64_t i = threadIdx.x; i < count; i += kFinalizeThreads) acc.merge(workspace[first + i].f);
+    acc = block_reduce<kFinalizeThreads>(acc);
+    if (threadIdx.x == 0) acc.finalize(format_of(kind), table.repeat[t], out);
+  } else {
+    IntStatsAccum acc;
+    acc.init();
+    for (int64_t i = threadIdx.x; i < count; i += kFinalizeThreads) acc.merge(workspace[first + i].i);
+    acc = block_reduce<kFinalizeThreads>(acc);
+    if (threadIdx.x == 0) acc.finalize(table.repeat[t], out);
+  }
+  if (threadIdx.x == 0 && max_values != nullptr) max_values[table.first_record + t] = headroom_max_of(kind);
+}
+
+// One block: thread 0 walks the frame's records in order (update_recording_state), then the
+// block writes the records to the ring unless it was frozen before this frame.
+__global__ void __launch_bounds__(kRecordThreads)
+    record_kernel(const double* records, const double* max_values, int64_t n, double* ring, int64_t ring_rows,
+                  int64_t* state, int64_t position, double headroom) {
+  __shared__ bool write_rows;
+  if (threadIdx.x == 0) write_rows = update_recording_state(state, records, max_values, n, position, headroom);
+  __syncthreads();
+  if (!write_rows) return;
+  // When a frame holds more records than the ring has rows, record i is overwritten by record
+  // i + ring_rows; only the last record of each row is stored, so the outcome is well defined.
+  const int64_t first_kept = n > ring_rows ? n - ring_rows : 0;
+  for (int64_t k = first_kept * kNumStats + threadIdx.x; k < n * kNumStats; k += kRecordThreads) {
+    const int64_t i = k / kNumStats;
+    int64_t row = (position + i) % ring_rows;
+    if (row < 0) row += ring_rows;
+    ring[row * kNumStats + k % kNumStats] = records[k];
+  }
+}
+
+}  // namespace
+
+int stats_blocks_per_wave() {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {};  // 0: not computed yet (benign race: same value written)
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  if (device >= 0 && device < kMaxDevices && cached[device] > 0) return cached[device];
+  int sms = 0, per_sm = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, stats_kernel, kStatsThreads, 0));
+  const int wave = (sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
+  if (device >= 0 && device < kMaxDevices) cached[device] = wave;
+  return wave;
+}
+
+void launch_stats(const TensorTable& table, int64_t* workspace, cudaStream_t stream) {
+  const int32_t blocks = table.block_start[table.num_tensors];
+  if (blocks <= 0) return;
+  stats_kernel<<<blocks, kStatsThreads, 0, stream>>>(table, reinterpret_cast<Partial*>(workspace));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void launch_finalize(const TensorTable& table, const int64_t* workspace, double* records, double* max_values,
+                     cudaStream_t stream) {
+  if (table.num_tensors <= 0) return;
+  finalize_kernel<<<table.num_tensors, kFinalizeThreads, 0, stream>>>(
+      table, reinterpret_cast<const Partial*>(workspace), records, max_values);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void launch_record(const double* records, const double* max_values, int64_t n, double* ring, int64_t ring_rows,
+                   int64_t* state, int64_t position, double headroom, cudaStream_t stream) {
+  if (n <= 0) return;
+  record_kernel<<<1, kRecordThreads, 0, stream>>>(records, max_values, n, ring, ring_rows, state, position,
+                                                   headroom);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace cuda
+}  // namespace numguard
