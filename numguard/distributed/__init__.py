@@ -1,0 +1,44 @@
+"""numguard.distributed: keep multi-rank jobs from hanging or gathering garbage.
+
+    import numguard.distributed as ngd
+    ngd.check_shapes(batch, op="my_gather")     # one tiny all_gather; raises on every rank
+    guard = ngd.guard_collectives()             # check before every torch.distributed collective
+    guard.remove()                              # undo
+    log = ngd.get_logger(__name__)              # [RANK i] prefix, main_process_only, in_order
+    ngd.set_trigger(); ngd.check_trigger()      # any rank sets, every rank sees
+
+``NUMGUARD_DIST_CHECK=1`` installs :func:`guard_collectives` when this package is imported
+(``guard_collectives()`` called explicitly always installs). ``NUMGUARD_DIST_TIMEOUT`` (seconds,
+default 60) bounds every numguard check; a rank that does not arrive in time is named in a
+:class:`DistributedTimeoutError` on the ranks that did.
+"""
+from __future__ import annotations
+
+from . import coordination
+from ._env import dist_check_enabled
+from .coordination import exchange_trip, gather_trip_details, rank, world_size
+from .errors import DistributedOperationException, DistributedTimeoutError
+from .guard import CollectiveGuard, guard_collectives, unguard_collectives
+from .logging import get_logger
+from .shapes import check_shapes
+from .triggers import check_trigger, set_trigger
+
+__all__ = [
+    "CollectiveGuard",
+    "DistributedOperationException",
+    "DistributedTimeoutError",
+    "check_shapes",
+    "check_trigger",
+    "coordination",
+    "exchange_trip",
+    "gather_trip_details",
+    "get_logger",
+    "guard_collectives",
+    "rank",
+    "set_trigger",
+    "unguard_collectives",
+    "world_size",
+]
+
+if dist_check_enabled():
+    guard_collectives()

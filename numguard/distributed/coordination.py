@@ -1,0 +1,359 @@
+"""Small fixed-size collectives numguard runs beside the user's own, with a timeout that names
+the ranks that never arrived.
+
+Every numguard collective goes through :func:`run_collective`:
+
+- it uses ``torch.distributed.distributed_c10d``'s functions directly, never the names in the
+  ``torch.distributed`` namespace, so the collective guard (which wraps those names) cannot recurse
+  into itself;
+- before launching, each rank writes its check number into the default store under a key of its
+  own (one key per rank and group, overwritten, so the store does not grow);
+- it waits with a timeout (``Work.wait(timeout)`` on CPU backends; polling ``Work.is_completed()``
+  on CUDA backends, whose ``wait`` does not block the host). On timeout it reads the other ranks'
+  keys and names those whose check number is behind, in a :class:`DistributedTimeoutError`.
+
+The coordinated-trip helpers used by the inspector live here too: :func:`exchange_trip` (one
+all_reduce of an int64[world_size] flag vector) and :func:`gather_trip_details` (one all_gather of
+a fixed-size encoded module name, only after a trip).
+"""
+from __future__ import annotations
+
+import os
+import struct
+import sys
+import time
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as _c10d
+
+from ._env import dist_timeout
+from .errors import DistributedOperationException, DistributedTimeoutError
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIST_DIR = os.path.dirname(os.path.abspath(dist.__file__))
+_NUMGUARD_DIR = os.path.dirname(_PKG_DIR)
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank(group=None) -> int:
+    """This process's rank in ``group`` (default group), or 0 when torch.distributed is not
+    initialized."""
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def world_size(group=None) -> int:
+    """Number of ranks in ``group`` (default group), or 1 when torch.distributed is not
+    initialized."""
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def call_site() -> str:
+    """``file:line`` of the first frame outside numguard and torch.distributed."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        fname = frame.f_code.co_filename
+        if not (fname.startswith(_NUMGUARD_DIR) or fname.startswith(_TORCH_DIST_DIR)):
+            return f"{fname}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
+
+
+def collective_device(group=None) -> torch.device:
+    """The device numguard's own tensors for ``group`` live on: CPU when the group has a gloo
+    backend (also for ``cpu:gloo,cuda:nccl``), else the current CUDA device for nccl."""
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "mpi" in backend:
+        return torch.device("cpu")
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if "xccl" in backend and hasattr(torch, "xpu") and torch.xpu.is_available():
+        return torch.device("xpu", torch.xpu.current_device())
+    return torch.device("cpu")
+
+
+class _GroupState:
+    """Per process group: ranks, device, the check counter, the store and preallocated buffers."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.global_ranks = (
+            list(range(self.world)) if group is None else dist.get_process_group_ranks(group)
+        )
+        self.device = collective_device(group)
+        pg = group if group is not None else _c10d._get_default_group()
+        self.name = str(getattr(pg, "group_name", None) or id(pg))
+        self.seq = 0
+        self.store = None
+        try:
+            self.store = _c10d._get_default_store()
+        except Exception:  # no store (e.g. a backend initialised without one): no arrival tracking
+            self.store = None
+        self.buffers: dict[int, tuple] = {}
+        self.gather_single = getattr(_c10d, "all_gather_single", None)
+        if self.gather_single is None:
+            self.gather_single = getattr(_c10d, "all_gather_into_tensor", None)
+
+    def arrival_key(self, global_rank: int) -> str:
+        return f"numguard/arrived/{self.name}/{global_rank}"
+
+    def gather_buffers(self, words: int):
+        """(host_bytes, host_in, dev_in, host_out_bytes, host_out, dev_out) for an all_gather of
+        ``words`` int64 per rank; host tensors share memory with the bytearrays."""
+        bufs = self.buffers.get(words)
+        if bufs is None:
+            hin_b = bytearray(words * 8)
+            hin = torch.frombuffer(hin_b, dtype=torch.int64)
+            hout_b = bytearray(words * 8 * self.world)
+            hout = torch.frombuffer(hout_b, dtype=torch.int64)
+            if self.device.type == "cpu":
+                din, dout = hin, hout
+            else:
+                din = torch.empty(words, dtype=torch.int64, device=self.device)
+                dout = torch.empty(words * self.world, dtype=torch.int64, device=self.device)
+            bufs = (hin_b, hin, din, hout_b, hout, dout)
+            self.buffers[words] = bufs
+        return bufs
+
+
+_STATES: dict = {}
+
+
+def group_state(group=None) -> _GroupState:
+    key = group if group is not None else _c10d._get_default_group()
+    st = _STATES.get(key)
+    if st is None:
+        st = _STATES[key] = _GroupState(group)
+    return st
+
+
+def _mark_arrival(st: _GroupState) -> None:
+    st.seq += 1
+    if st.store is not None:
+        try:
+            st.store.set(st.arrival_key(st.global_ranks[st.rank]), str(st.seq))
+        except Exception as exc:  # store gone: keep checking, lose only the names of missing ranks
+            warnings.warn(
+                f"numguard.distributed: cannot write to the process group's store ({exc}); "
+                "a timeout will not be able to name the missing ranks.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            st.store = None
+
+
+def _arrivals(st: _GroupState):
+    """(missing, ahead) global ranks according to the store, relative to this rank's check."""
+    missing, ahead = [], []
+    if st.store is None:
+        return None, None
+    for g in st.global_ranks:
+        key = st.arrival_key(g)
+        try:
+            seq = int(st.store.get(key)) if st.store.check([key]) else 0
+        except Exception:
+            return None, None
+        if seq < st.seq:
+            missing.append(g)
+        elif seq > st.seq:
+            ahead.append(g)
+    return missing, ahead
+
+
+def _timeout_error(st: _GroupState, what: str, site: str, timeout_s: float, cause) -> Exception:
+    missing, ahead = _arrivals(st)
+    me = st.global_ranks[st.rank]
+    head = (
+        f"numguard.distributed: {what} (numguard check #{st.seq} of process group "
+        f"{st.name!r}, called at {site}) did not complete within {timeout_s:g} s "
+        "(NUMGUARD_DIST_TIMEOUT or timeout=)."
+    )
+    lines = [head]
+    if missing is None:
+        lines.append("Could not read the process group's store to name the missing ranks.")
+        missing = []
+    else:
+        arrived = [g for g in st.global_ranks if g not in missing]
+        if missing:
+            lines.append(f"Ranks that never arrived: {missing}.")
+        else:
+            lines.append("Every rank arrived, but the collective did not complete.")
+        lines.append(f"Ranks that arrived: {arrived} (this process is rank {me}).")
+        if ahead:
+            lines.append(
+                f"Ranks {ahead} are already past this check: the ranks ran different numbers of "
+                "checked collectives."
+            )
+    if cause is not None:
+        lines.append(f"Backend error: {cause}")
+    lines.append(
+        "A rank that never arrives is usually stuck in an earlier step, crashed, or took another "
+        "code path. The abandoned collective stays pending: do not use this process group again; "
+        "let the exception end the process."
+    )
+    return DistributedTimeoutError("\n".join(lines), missing)
+
+
+def _wait(work, st: _GroupState, what: str, site: str, timeout_s: float) -> None:
+    if work is None:
+        return
+    if st.device.type == "cpu":
+        try:
+            ok = work.wait(timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            raise _timeout_error(st, what, site, timeout_s, exc) from None
+        if ok is False:
+            raise _timeout_error(st, what, site, timeout_s, None)
+        return
+    # CUDA-like backends: Work.wait only orders streams; poll completion from the host.
+    deadline = time.monotonic() + timeout_s
+    spins = 0
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise _timeout_error(st, what, site, timeout_s, None)
+        spins += 1
+        if spins > 200:
+            time.sleep(min(0.001 * (spins - 200) / 100, 0.01))
+    work.wait()
+
+
+def timed_all_gather(st: _GroupState, words: int, what: str, site: str, timeout=None):
+    """All-gather the ``words`` int64 this rank packed into ``st.gather_buffers(words)``'s host
+    input; returns the host output bytearray (``world * words`` int64, rank-major)."""
+    timeout_s = dist_timeout(timeout)
+    hin_b, hin, din, hout_b, hout, dout = st.gather_buffers(words)
+    if din is not hin:
+        din.copy_(hin, non_blocking=False)
+    _mark_arrival(st)
+    work = None
+    if st.gather_single is not None:
+        try:
+            work = st.gather_single(dout, din, group=st.group, async_op=True)
+        except RuntimeError as exc:
+            if "not supported" not in str(exc).lower() and "unsupported" not in str(exc).lower():
+                raise
+            st.gather_single = None
+    if work is None and st.gather_single is None:
+        outs = list(dout.view(st.world, words).unbind(0))
+        work = _c10d.all_gather(outs, din, group=st.group, async_op=True)
+    _wait(work, st, what, site, timeout_s)
+    if dout is not hout:
+        hout.copy_(dout)
+    return hout_b
+
+
+def timed_all_reduce(st: _GroupState, tensor: torch.Tensor, op, what: str, site: str,
+                     timeout=None, wait=True):
+    """All-reduce ``tensor`` (on ``st.device``) in place; with ``wait=False`` return the work
+    handle for :func:`wait_work`."""
+    timeout_s = dist_timeout(timeout)
+    _mark_arrival(st)
+    work = _c10d.all_reduce(tensor, op=op, group=st.group, async_op=True)
+    if not wait:
+        return work, st.seq, timeout_s
+    _wait(work, st, what, site, timeout_s)
+    return None
+
+
+def wait_work(st: _GroupState, work, seq: int, what: str, site: str, timeout_s: float) -> None:
+    """Finish a collective started with ``wait=False``, naming missing ranks on timeout."""
+    cur = st.seq
+    st.seq = seq
+    try:
+        _wait(work, st, what, site, timeout_s)
+    finally:
+        st.seq = cur
+
+
+# ---------------------------------------------------------------------------------------------
+# Coordinated trips (called by the inspector at the end of a checked batch)
+
+def exchange_trip(tripped: torch.Tensor, group=None) -> torch.Tensor:
+    """Share this rank's trip flag with every rank in ONE all_reduce.
+
+    Args:
+        tripped: 0-dim integer tensor (nonzero = this rank tripped) on any device; copied to the
+            group's collective device (no host sync when it is already there).
+        group: process group (default group when None).
+
+    Returns int64[world_size] on the collective device: entry ``r`` is rank ``r``'s flag.
+    Without an initialized process group, returns ``tripped`` as a 1-element int64 tensor.
+    """
+    if not is_initialized():
+        return tripped.reshape(1).to(torch.int64)
+    st = group_state(group)
+    flags = torch.zeros(st.world, dtype=torch.int64, device=st.device)
+    src = tripped.reshape(())
+    if src.dtype != torch.int64:
+        src = src.to(torch.int64)
+    flags[st.rank].copy_(src, non_blocking=src.device.type != "cpu" and st.device.type != "cpu")
+    timed_all_reduce(st, flags, dist.ReduceOp.SUM, "numguard trip exchange (all_reduce)",
+                     call_site())
+    return flags
+
+
+_DETAIL_WORDS = 64  # 3 header words + 61 * 8 bytes of module name
+_DETAIL_MAGIC = 0x4E47_5452  # "NGTR"
+_TRUNC_MARK = "..."
+
+
+def _encode_name(name: str, capacity: int) -> bytes:
+    raw = name.encode("utf-8")
+    if len(raw) <= capacity:
+        return raw
+    mark = _TRUNC_MARK.encode()
+    cut = raw[: capacity - len(mark)].decode("utf-8", errors="ignore").encode("utf-8")
+    return cut + mark
+
+
+def gather_trip_details(module_name: str | None, batch_number: int, group=None,
+                        tripped: bool | None = None) -> list[tuple[int, str | None]]:
+    """After :func:`exchange_trip` showed a trip, share which module tripped on which rank.
+
+    Called on every rank (one all_gather of a fixed-size int64 record). ``module_name`` is this
+    rank's first offending module (None when this rank did not trip); ``tripped`` defaults to
+    ``module_name is not None``. Returns ``[(rank, module_name_or_None), ...]`` for the ranks that
+    tripped, in rank order. Names longer than 485 bytes are truncated and end with ``...``.
+    """
+    if tripped is None:
+        tripped = module_name is not None
+    if not is_initialized():
+        return [(0, module_name)] if tripped else []
+    st = group_state(group)
+    hin_b, *_ = st.gather_buffers(_DETAIL_WORDS)
+    payload = b"" if module_name is None else _encode_name(module_name, (_DETAIL_WORDS - 3) * 8)
+    flags = (1 if tripped else 0) | (2 if module_name is not None else 0)
+    struct.pack_into("<qqq", hin_b, 0, _DETAIL_MAGIC, int(batch_number), flags | (len(payload) << 8))
+    hin_b[24:] = payload.ljust((_DETAIL_WORDS - 3) * 8, b"\0")
+    out = timed_all_gather(st, _DETAIL_WORDS, "numguard trip details (all_gather)", call_site())
+    result = []
+    for r in range(st.world):
+        base = r * _DETAIL_WORDS * 8
+        magic, _batch, info = struct.unpack_from("<qqq", out, base)
+        if magic != _DETAIL_MAGIC or not info & 1:
+            continue
+        name = None
+        if info & 2:
+            n = info >> 8
+            name = bytes(out[base + 24: base + 24 + n]).decode("utf-8", errors="replace")
+        result.append((r, name))
+    return result
+
+
+__all__ = [
+    "DistributedOperationException",
+    "call_site",
+    "collective_device",
+    "exchange_trip",
+    "gather_trip_details",
+    "is_initialized",
+    "rank",
+    "world_size",
+]

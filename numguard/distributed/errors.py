@@ -1,0 +1,16 @@
+"""Exceptions raised by numguard.distributed."""
+from __future__ import annotations
+
+
+class DistributedOperationException(Exception):
+    """Ranks disagree about a collective (shapes, dtypes, structure or operation), or some ranks
+    never arrived at it. Raised on every rank that took part in the check, with the same message."""
+
+
+class DistributedTimeoutError(DistributedOperationException, TimeoutError):
+    """Some ranks did not arrive at a checked collective within ``NUMGUARD_DIST_TIMEOUT`` seconds.
+    ``.missing_ranks`` lists them (ranks of the default group)."""
+
+    def __init__(self, message: str, missing_ranks=()):
+        super().__init__(message)
+        self.missing_ranks = list(missing_ranks)

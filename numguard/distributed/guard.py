@@ -1,0 +1,203 @@
+"""``guard_collectives``: run :func:`~numguard.distributed.check_shapes` before every
+``torch.distributed`` collective, with what that collective needs ranks to agree on.
+
+The guard replaces names in the ``torch.distributed`` namespace only (``dist.all_reduce`` etc.).
+It does not see functions imported by name before it was installed (``from torch.distributed
+import all_reduce``), torch's functional collectives, or calls torch makes internally through
+``torch.distributed.distributed_c10d`` (numguard's own collectives go through those, so the guard
+never checks itself).
+
+What each collective checks (shapes and dtypes must be equal on every rank):
+
+==========================================  ================================================
+collective                                  checked
+==========================================  ================================================
+all_reduce, broadcast, reduce               ``tensor``
+all_gather, gather                          the tensor this rank contributes
+all_gather_single / all_gather_into_tensor  ``input_tensor`` and ``output_tensor``
+reduce_scatter_single / _tensor             ``input`` and ``output``
+scatter                                     ``tensor`` (the receive buffer; ``scatter_list``
+                                            exists on the source rank only)
+all_to_all_single                           dtype and trailing dims; also the first dim when
+                                            no split sizes are given (with split sizes the
+                                            first dims legitimately differ)
+==========================================  ================================================
+"""
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+import torch.distributed as dist
+
+from .shapes import TensorSpec, check_shapes
+
+_NAMESPACE = "torch.distributed"
+
+
+def _arg(args, kwargs, index, name, default=None):
+    if len(args) > index:
+        return args[index]
+    return kwargs.get(name, default)
+
+
+def _first(name, index):
+    def spec(args, kwargs):
+        return _arg(args, kwargs, index, name)
+    return spec
+
+
+def _in_out(out_name, in_name):
+    def spec(args, kwargs):
+        return {out_name: _arg(args, kwargs, 0, out_name), in_name: _arg(args, kwargs, 1, in_name)}
+    return spec
+
+
+def _all_to_all_single(args, kwargs):
+    out = _arg(args, kwargs, 0, "output")
+    inp = _arg(args, kwargs, 1, "input")
+    out_splits = _arg(args, kwargs, 2, "output_split_sizes")
+    in_splits = _arg(args, kwargs, 3, "input_split_sizes")
+    if not isinstance(out, torch.Tensor) or not isinstance(inp, torch.Tensor):
+        return {"output": out, "input": inp}
+    if out_splits is None and in_splits is None:
+        return {"output": out, "input": inp}
+    def spec(t):
+        return TensorSpec((-1,) + tuple(t.shape[1:]), t.dtype) if t.dim() else t
+    return {"output": spec(out), "input": spec(inp)}
+
+
+# name -> (what to check, index and keyword of the group argument)
+_COLLECTIVES = {
+    "all_reduce": (_first("tensor", 0), 2),
+    "broadcast": (_first("tensor", 0), 2),
+    "reduce": (_first("tensor", 0), 3),
+    "all_gather": (_first("tensor", 1), 2),
+    "gather": (_first("tensor", 0), 3),
+    "scatter": (_first("tensor", 0), 3),
+    "all_gather_single": (_in_out("output_tensor", "input_tensor"), 2),
+    "all_gather_into_tensor": (_in_out("output_tensor", "input_tensor"), 2),
+    "reduce_scatter_single": (_in_out("output", "input"), 3),
+    "reduce_scatter_tensor": (_in_out("output", "input"), 3),
+    "all_to_all_single": (_all_to_all_single, 4),
+}
+
+_lock = threading.Lock()
+_local = threading.local()
+_installed: "CollectiveGuard | None" = None
+
+
+def _compiling() -> bool:
+    try:
+        return torch.compiler.is_compiling()
+    except Exception:
+        return False
+
+
+def _wrap(name, original, spec, group_index):
+    qualname = f"{_NAMESPACE}.{name}"
+
+    @functools.wraps(original)
+    def guarded(*args, **kwargs):
+        g = _installed
+        if g is not None and g.active and not getattr(_local, "busy", False) and not _compiling():
+            group = _arg(args, kwargs, group_index, "group")
+            _local.busy = True
+            try:
+                check_shapes(spec(args, kwargs), op=qualname, group=group, timeout=g.timeout)
+            finally:
+                _local.busy = False
+        return original(*args, **kwargs)
+
+    guarded.__numguard_original__ = original
+    return guarded
+
+
+class CollectiveGuard:
+    """Handle returned by :func:`guard_collectives`; ``remove()`` (or leaving the ``with`` block)
+    restores the original functions."""
+
+    def __init__(self, timeout):
+        self.timeout = timeout
+        self.active = True
+        self._originals: dict = {}
+        self._wrappers: dict = {}
+
+    def _install(self):
+        for name, (spec, group_index) in _COLLECTIVES.items():
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            original = getattr(original, "__numguard_original__", original)
+            wrapper = _wrap(name, original, spec, group_index)
+            self._originals[name] = original
+            self._wrappers[name] = wrapper
+            setattr(dist, name, wrapper)
+
+    @property
+    def names(self) -> list[str]:
+        """The ``torch.distributed`` functions this guard wraps."""
+        return sorted(self._wrappers)
+
+    def remove(self) -> None:
+        """Undo the guard (idempotent). A function someone else wrapped on top of ours is left in
+        place, and our wrapper inside it passes calls through unchecked."""
+        global _installed
+        with _lock:
+            if not self.active:
+                return
+            self.active = False
+            for name, wrapper in self._wrappers.items():
+                if getattr(dist, name, None) is wrapper:
+                    setattr(dist, name, self._originals[name])
+            if _installed is self:
+                _installed = None
+
+    undo = remove
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+        return False
+
+    def __repr__(self):
+        state = "active" if self.active else "removed"
+        return f"<numguard CollectiveGuard {state}: {', '.join(self.names)}>"
+
+
+def guard_collectives(timeout: float | None = None) -> CollectiveGuard:
+    """Check shapes and dtypes across ranks before every ``torch.distributed`` collective.
+
+    Args:
+        timeout: seconds each check waits for every rank before naming the missing ones
+            (default: ``NUMGUARD_DIST_TIMEOUT``, else 60).
+
+    Returns a :class:`CollectiveGuard`; call ``.remove()`` or use it as a context manager to undo.
+    Calling again while a guard is installed returns that same guard (updating its timeout when
+    one is given); nothing is wrapped twice. ``NUMGUARD_DIST_CHECK=1`` installs it when
+    ``numguard.distributed`` is imported.
+    """
+    global _installed
+    with _lock:
+        if _installed is not None and _installed.active:
+            if timeout is not None:
+                _installed.timeout = timeout
+            return _installed
+        guard = CollectiveGuard(timeout)
+        guard._install()
+        _installed = guard
+        return guard
+
+
+def unguard_collectives() -> None:
+    """Remove the installed guard, if any."""
+    g = _installed
+    if g is not None:
+        g.remove()
+
+
+def installed_guard() -> CollectiveGuard | None:
+    return _installed

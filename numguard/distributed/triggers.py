@@ -1,0 +1,76 @@
+"""Triggers: any rank raises a flag, every rank sees it at the same check.
+
+``set_trigger()`` sets a local flag. ``check_trigger()`` is a collective (every rank of the group
+calls it the same number of times): ONE all_reduce(MAX) of a one-element int64 tensor, so every
+rank returns the same answer; the flag is cleared once it has been sent.
+
+``check_trigger(blocking=False)`` does not wait: it reads the reduction started by the previous
+non-blocking call (False on the first call) and starts the next one with the flag as it is now.
+A trigger set before non-blocking check ``k`` is therefore seen by every rank at check ``k + 1``.
+Use one form or the other consistently on all ranks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import coordination as _co
+
+
+class _TriggerState:
+    __slots__ = ("flag", "pending")
+
+    def __init__(self):
+        self.flag = 0
+        self.pending = None  # (work, tensor, seq, timeout_s, site) of a non-blocking check
+
+
+_STATES: dict = {}
+
+
+def _state(group) -> _TriggerState:
+    key = group if group is not None else "default"
+    st = _STATES.get(key)
+    if st is None:
+        st = _STATES[key] = _TriggerState()
+    return st
+
+
+def set_trigger(group=None) -> None:
+    """Raise the trigger on this rank; every rank sees it at the next (blocking) check."""
+    _state(group).flag = 1
+
+
+def check_trigger(blocking: bool = True, group=None, timeout: float | None = None) -> bool:
+    """True on every rank if any rank called :func:`set_trigger` before this check (blocking) or
+    before the previous non-blocking check (``blocking=False``). See the module docstring."""
+    ts = _state(group)
+    if not _co.is_initialized():
+        seen, ts.flag = bool(ts.flag), 0
+        return seen
+    st = _co.group_state(group)
+    site = _co.call_site()
+    if blocking:
+        if ts.pending is not None:
+            _finish(st, ts)  # drain a non-blocking check so the two forms stay paired
+        t = torch.full((1,), ts.flag, dtype=torch.int64, device=st.device)
+        ts.flag = 0
+        _co.timed_all_reduce(st, t, dist.ReduceOp.MAX, "numguard check_trigger (all_reduce)",
+                             site, timeout)
+        return bool(t.item())
+    seen = _finish(st, ts) if ts.pending is not None else False
+    t = torch.full((1,), ts.flag, dtype=torch.int64, device=st.device)
+    ts.flag = 0
+    work, seq, timeout_s = _co.timed_all_reduce(
+        st, t, dist.ReduceOp.MAX, "numguard check_trigger(blocking=False) (all_reduce)", site,
+        timeout, wait=False)
+    ts.pending = (work, t, seq, timeout_s, site)
+    return seen
+
+
+def _finish(st, ts) -> bool:
+    work, t, seq, timeout_s, site = ts.pending
+    ts.pending = None
+    _co.wait_work(st, work, seq, "numguard check_trigger(blocking=False) (all_reduce)", site,
+                  timeout_s)
+    return bool(t.item())

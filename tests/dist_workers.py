@@ -1,0 +1,324 @@
+"""Launch multi-rank scenarios for the distributed tests: one subprocess per rank (gloo, loopback,
+a free port), a hard timeout for the whole group, results as JSON per rank.
+
+A scenario is a function ``scenario_<name>(rank, world) -> dict`` in this file; the parent calls
+:func:`run_scenario` and gets the list of per-rank dicts (or a failure with every rank's output).
+Workers leave with ``os._exit`` so a rank abandoned in a collective cannot hang the test.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ScenarioFailed(AssertionError):
+    pass
+
+
+def run_scenario(name: str, world: int, timeout: float = 90.0, env: dict | None = None,
+                 rank_env: dict | None = None) -> list[dict]:
+    """Run ``scenario_<name>`` on ``world`` ranks; kill everything after ``timeout`` seconds."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for r in range(world):
+            e = dict(os.environ)
+            e.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
+                      "WORLD_SIZE": str(world), "LOCAL_RANK": str(r), "OMP_NUM_THREADS": "1",
+                      "PYTHONPATH": ROOT + os.pathsep + e.get("PYTHONPATH", "")})
+            e.update(env or {})
+            e.update((rank_env or {}).get(r, {}))
+            log = open(os.path.join(tmp, f"log{r}.txt"), "w")
+            procs.append((subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), name, os.path.join(tmp, f"r{r}.json")],
+                env=e, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log))
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        for p, _ in procs:
+            left = deadline - time.monotonic()
+            try:
+                p.wait(timeout=max(left, 0.1))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                break
+        if timed_out:
+            for p, _ in procs:
+                if p.poll() is None:
+                    p.kill()
+            for p, _ in procs:
+                p.wait()
+        for _, log in procs:
+            log.close()
+        logs = [open(os.path.join(tmp, f"log{r}.txt")).read() for r in range(world)]
+        results = []
+        for r in range(world):
+            path = os.path.join(tmp, f"r{r}.json")
+            results.append(json.load(open(path)) if os.path.exists(path) else None)
+        if timed_out or any(res is None or "error" in res for res in results):
+            detail = "\n".join(f"--- rank {r} ---\n{logs[r][-4000:]}" for r in range(world))
+            why = f"timed out after {timeout} s" if timed_out else "a rank failed"
+            raise ScenarioFailed(f"scenario {name!r} on {world} ranks: {why}\n{detail}")
+        for r, res in enumerate(results):
+            res["log"] = logs[r]
+        return results
+
+
+# ---------------------------------------------------------------------------------------------
+# worker side: scenarios (each runs on every rank; keys of the returned dict are compared by the
+# tests in test_distributed*.py)
+
+def _init():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _catch(fn):
+    """Run fn; return {"ok": result} or {"exc": type name, "msg": message}."""
+    try:
+        return {"ok": fn()}
+    except Exception as exc:  # noqa: BLE001 - the tests inspect it
+        return {"exc": type(exc).__name__, "msg": str(exc)}
+
+
+def scenario_shapes(rank, world):
+    """check_shapes on 2 ranks: mismatches of every kind, matching nested structures."""
+    import torch
+
+    import numguard.distributed as ngd
+
+    res = {}
+    op = "torch.distributed.all_reduce"
+    res["shape"] = _catch(lambda: ngd.check_shapes(
+        torch.zeros(1, 5) if rank == 0 else torch.zeros(1, 2, 5), op=op))
+    res["numel"] = _catch(lambda: ngd.check_shapes(
+        torch.zeros(2, 5) if rank == 0 else torch.zeros(1, 10), op=op))
+    res["dtype"] = _catch(lambda: ngd.check_shapes(
+        torch.zeros(1, 5) if rank == 0 else torch.zeros(1, 5, dtype=torch.bfloat16), op=op))
+    nested = {"ids": torch.zeros(4, 7, dtype=torch.int64), "extra": None,
+              "pair": (torch.zeros(3), [torch.zeros(2, 2, dtype=torch.float16), 1.5]),
+              "step": 3}
+    # Scalar values may differ; only their types are compared.
+    nested_here = dict(nested, step=3 + rank)
+    res["nested_match"] = _catch(lambda: ngd.check_shapes(nested_here, op="nested"))
+    deep = dict(nested, pair=(torch.zeros(3), [torch.zeros(2, 2 + rank, dtype=torch.float16), 1.5]))
+    res["nested_leaf"] = _catch(lambda: ngd.check_shapes(deep, op="nested"))
+    extra = dict(nested)
+    if rank == 1:
+        extra["mask"] = torch.zeros(4, 7)
+    res["nested_structure"] = _catch(lambda: ngd.check_shapes(extra, op="nested"))
+    res["tuple_vs_list"] = _catch(lambda: ngd.check_shapes(
+        (torch.zeros(2),) if rank == 0 else [torch.zeros(2)], op="containers"))
+    res["op_differs"] = _catch(lambda: ngd.check_shapes(
+        torch.zeros(3), op="torch.distributed.all_reduce" if rank == 0 else
+        "torch.distributed.broadcast"))
+    many = [torch.zeros(3, 4) for _ in range(200)]  # more tokens than fit in the record
+    res["large_match"] = _catch(lambda: ngd.check_shapes(many, op="many"))
+    many_late = [torch.zeros(3, 4) for _ in range(199)] + [torch.zeros(3, 4 + rank)]
+    res["large_late_mismatch"] = _catch(lambda: ngd.check_shapes(many_late, op="many"))
+    res["after_mismatches"] = _catch(lambda: ngd.check_shapes(torch.ones(2), op="again"))
+    return res
+
+
+def scenario_guard(rank, world):
+    """guard_collectives on 2 ranks: every collective matching (results correct), mismatching
+    (raises before the collective), idempotent install, undo."""
+    import torch
+    import torch.distributed as dist
+
+    import numguard.distributed as ngd
+
+    originals = {n: getattr(dist, n) for n in ("all_reduce", "broadcast", "all_gather")}
+    g1 = ngd.guard_collectives(timeout=20)
+    g2 = ngd.guard_collectives()
+    res = {"same_handle": g1 is g2, "names": g1.names,
+           "wrapped": dist.all_reduce is not originals["all_reduce"]}
+    ok = {}
+
+    def matching():
+        t = torch.full((3,), float(rank + 1))
+        dist.all_reduce(t)
+        ok["all_reduce"] = t.tolist()
+        b = torch.full((2,), float(rank))
+        dist.broadcast(b, src=1)
+        ok["broadcast"] = b.tolist()
+        rd = torch.full((2,), float(rank + 1))
+        dist.reduce(rd, dst=0)
+        ok["reduce"] = rd.tolist() if rank == 0 else None
+        outs = [torch.zeros(2) for _ in range(world)]
+        dist.all_gather(outs, torch.full((2,), float(rank)))
+        ok["all_gather"] = [o.tolist() for o in outs]
+        flat = torch.zeros(world * 2)
+        dist.all_gather_into_tensor(flat, torch.full((2,), float(rank)))
+        ok["all_gather_into_tensor"] = flat.tolist()
+        rs = torch.zeros(2)
+        dist.reduce_scatter_tensor(rs, torch.arange(world * 2, dtype=torch.float32))
+        ok["reduce_scatter_tensor"] = rs.tolist()
+        gl = [torch.zeros(2) for _ in range(world)] if rank == 0 else None
+        dist.gather(torch.full((2,), float(rank)), gather_list=gl, dst=0)
+        ok["gather"] = [x.tolist() for x in gl] if gl else None
+        sc = torch.zeros(2)
+        sl = [torch.full((2,), float(i)) for i in range(world)] if rank == 0 else None
+        dist.scatter(sc, scatter_list=sl, src=0)
+        ok["scatter"] = sc.tolist()
+        # all_to_all_single with uneven split sizes: first dims differ between ranks.
+        in_splits = [1, 2] if rank == 0 else [3, 1]
+        out_splits = [1, 3] if rank == 0 else [2, 1]
+        inp = torch.full((sum(in_splits), 2), float(rank))
+        out = torch.zeros(sum(out_splits), 2)
+        dist.all_to_all_single(out, inp, out_splits, in_splits)
+        ok["all_to_all_single"] = out[:, 0].tolist()
+        w = dist.all_reduce(torch.ones(1), async_op=True)
+        w.wait()
+        return True
+
+    res["matching"] = _catch(matching)
+    res["results"] = ok
+
+    def bad(name):
+        def f():
+            if name == "all_reduce":
+                dist.all_reduce(torch.zeros(1, 5) if rank == 0 else torch.zeros(1, 2, 5))
+            elif name == "broadcast":
+                dist.broadcast(torch.zeros(3) if rank == 0 else torch.zeros(4), src=0)
+            elif name == "reduce":
+                dist.reduce(torch.zeros(3, dtype=torch.float32 if rank == 0 else torch.float64), dst=0)
+            elif name == "all_gather":
+                dist.all_gather([torch.zeros(2, 5) for _ in range(world)],
+                                torch.zeros(2, 5) if rank == 0 else torch.zeros(1, 10))
+            elif name == "all_gather_into_tensor":
+                dist.all_gather_into_tensor(torch.zeros(world * 2), torch.zeros(2 + rank))
+            elif name == "reduce_scatter_tensor":
+                dist.reduce_scatter_tensor(torch.zeros(2), torch.zeros(world * 2 + rank))
+            elif name == "gather":
+                dist.gather(torch.zeros(2, dtype=torch.bfloat16 if rank else torch.float32),
+                            gather_list=[torch.zeros(2) for _ in range(world)] if rank == 0 else None)
+            elif name == "scatter":
+                dist.scatter(torch.zeros(2 + rank),
+                             scatter_list=[torch.zeros(2) for _ in range(world)] if rank == 0 else None)
+            elif name == "all_to_all_single":
+                dist.all_to_all_single(torch.zeros(4, 3 + rank), torch.zeros(4, 3 + rank),
+                                       [2, 2], [2, 2])
+        return f
+
+    res["bad"] = {n: _catch(bad(n)) for n in ("all_reduce", "broadcast", "reduce", "all_gather",
+                                               "all_gather_into_tensor", "reduce_scatter_tensor",
+                                               "gather", "scatter", "all_to_all_single")}
+    g1.remove()
+    g1.remove()
+    res["restored"] = all(getattr(dist, n) is f for n, f in originals.items())
+    with ngd.guard_collectives() as g3:
+        res["context_wrapped"] = dist.all_reduce is not originals["all_reduce"]
+        res["new_handle"] = g3 is not g1
+    res["context_restored"] = dist.all_reduce is originals["all_reduce"]
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    res["unguarded_after"] = t.tolist()
+    return res
+
+
+def scenario_missing(rank, world):
+    """The last rank never reaches the check; the others must name it within the timeout."""
+    import torch
+
+    import numguard.distributed as ngd
+
+    last = world - 1
+    if rank == last:
+        time.sleep(4)
+        return {"skipped": True}
+    t0 = time.monotonic()
+    r = _catch(lambda: ngd.check_shapes(torch.zeros(3), op="torch.distributed.all_reduce"))
+    r["elapsed"] = time.monotonic() - t0
+    if rank == 0:
+        time.sleep(1)  # rank 0 hosts the store: let the other ranks read it before leaving
+    return {"check": r}
+
+
+def scenario_world4(rank, world):
+    """4 ranks: one rank deviates; in-order logging with different levels; triggers."""
+    import logging
+
+    import torch
+
+    import numguard.distributed as ngd
+
+    res = {}
+    res["one_dtype_differs"] = _catch(lambda: ngd.check_shapes(
+        {"x": torch.zeros(2, 3, dtype=torch.bfloat16 if rank == 2 else torch.float32)},
+        op="torch.distributed.all_reduce"))
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    levels = {0: "INFO", 1: "WARNING", 2: "debug", 3: logging.ERROR}
+    log = ngd.get_logger("numguard.test.ordered", log_level=levels[rank])
+    log.logger.addHandler(Keep())
+    log.logger.propagate = False
+    log.info("info from rank %d", rank, in_order=True)
+    log.warning("warning from rank %d", rank, in_order=True)
+    log.debug("debug from rank %d", rank, in_order=True)
+    log.info("main only from rank %d", rank)
+    log.error("every rank %d", rank, main_process_only=False)
+    res["records"] = list(records)
+    # NUMGUARD_LOG_LEVEL=WARNING is set for this scenario: a logger without log_level uses it.
+    env_log = ngd.get_logger("numguard.test.env")
+    res["env_level"] = env_log.logger.level
+
+    res["trigger_none"] = ngd.check_trigger()
+    if rank == 3:
+        ngd.set_trigger()
+    res["trigger_seen"] = ngd.check_trigger()
+    res["trigger_reset"] = ngd.check_trigger()
+    if rank == 1:
+        ngd.set_trigger()
+    res["nb_first"] = ngd.check_trigger(blocking=False)
+    res["nb_second"] = ngd.check_trigger(blocking=False)
+    res["nb_third"] = ngd.check_trigger(blocking=False)
+    res["nb_drain"] = ngd.check_trigger()
+    # Coordination helpers the inspector uses.
+    flags = ngd.exchange_trip(torch.tensor(1 if rank in (1, 3) else 0))
+    res["trip_flags"] = flags.tolist()
+    res["trip_details"] = ngd.gather_trip_details(
+        f"model.layers.{rank}.mlp" if rank in (1, 3) else None, 2)
+    res["long_name"] = ngd.gather_trip_details("m" * 1000 if rank == 0 else None, 0)
+    return res
+
+
+def main(argv):
+    name, out = argv[1], argv[2]
+    result = {}
+    try:
+        rank, world = _init()
+        result = globals()["scenario_" + name](rank, world) or {}
+    except BaseException:  # noqa: BLE001
+        result = {"error": traceback.format_exc()}
+    with open(out + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(out + ".tmp", out)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
