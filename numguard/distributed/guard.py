@@ -31,6 +31,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from ._env import dist_timeout
 from .shapes import TensorSpec, check_shapes
 
 _NAMESPACE = "torch.distributed"
@@ -181,6 +182,8 @@ def guard_collectives(timeout: float | None = None) -> CollectiveGuard:
     ``numguard.distributed`` is imported.
     """
     global _installed
+    if timeout is not None:
+        timeout = dist_timeout(timeout)  # validate now, not at the first collective
     with _lock:
         if _installed is not None and _installed.active:
             if timeout is not None:
