@@ -8,3 +8,12 @@ from .ops import STAT_FIELDS, backend, multi_tensor_stats, record_, tensor_stats
 
 __all__ = ["STAT_FIELDS", "backend", "multi_tensor_stats", "record_", "tensor_stats"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # numguard.distributed imports torch.distributed machinery: load it on first use only.
+    if name == "distributed":
+        import importlib
+
+        return importlib.import_module(".distributed", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
