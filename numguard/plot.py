@@ -1,0 +1,123 @@
+"""Plot a numguard dump: abs max and min-nonzero per frame on a log axis, with each float dtype's
+largest finite value and smallest normal value drawn as horizontal lines.
+
+matplotlib is an optional dependency (``pip install matplotlib``); it is imported only here, and
+drawn with the Agg backend (no display needed, pyplot's global state untouched).
+"""
+import math
+
+__all__ = ["PlotUnavailableError", "frame_series", "plot_dump"]
+
+# finfo.max and finfo.tiny (smallest normal) per dtype name, so that a dump plots without torch.
+_DTYPE_LIMITS = {
+    "float64": (1.7976931348623157e308, 2.2250738585072014e-308),
+    "float32": (3.4028234663852886e38, 1.1754943508222875e-38),
+    "float16": (65504.0, 6.103515625e-05),
+    "bfloat16": (3.3895313892515355e38, 1.1754943508222875e-38),
+    "float8_e4m3fn": (448.0, 0.015625),
+    "float8_e5m2": (57344.0, 6.103515625e-05),
+}
+_DTYPE_ALIASES = {"half": "float16", "float": "float32", "double": "float64"}
+# Field positions in a stats record (numguard.STAT_FIELDS).
+_ABS_MAX, _MIN_NONZERO, _NAN, _POS_INF, _NEG_INF = 1, 2, 3, 4, 5
+
+
+class PlotUnavailableError(RuntimeError):
+    """matplotlib is not installed."""
+
+
+def _dtype_name(dtype):
+    name = str(dtype or "")
+    name = name.rsplit(".", 1)[-1]
+    return _DTYPE_ALIASES.get(name, name)
+
+
+def dtype_limits(dtype):
+    """``(finfo.max, finfo.tiny)`` of a float dtype named as in a dump, or None for other dtypes."""
+    return _DTYPE_LIMITS.get(_dtype_name(dtype))
+
+
+def frame_series(dump):
+    """Per frame of a loaded dump: ``(label, abs_max, min_nonzero, non_finite, dtypes)``.
+
+    abs_max is the largest finite magnitude over the frame's tensors (None when it has none),
+    min_nonzero the smallest finite non-zero magnitude (None when there is none), non_finite
+    whether any of its tensors holds NaN or Inf, dtypes the float dtype names it holds.
+    """
+    series = []
+    for frame in dump.get("frames", []):
+        records = frame.get("records") or []
+        dtypes = frame.get("dtypes") or [None] * len(records)
+        abs_max, min_nonzero, non_finite, names = None, None, False, []
+        for record, dtype in zip(records, dtypes):
+            if not record or len(record) < 6:
+                continue
+            if record[_NAN] > 0 or record[_POS_INF] > 0 or record[_NEG_INF] > 0:
+                non_finite = True
+            if dtype_limits(dtype) is not None and _dtype_name(dtype) not in names:
+                names.append(_dtype_name(dtype))
+            high, low = record[_ABS_MAX], record[_MIN_NONZERO]
+            if high is not None and math.isfinite(high) and high > 0:
+                abs_max = high if abs_max is None else max(abs_max, high)
+            if low is not None and math.isfinite(low) and low > 0:
+                min_nonzero = low if min_nonzero is None else min(min_nonzero, low)
+        label = frame.get("name") or frame.get("module") or "?"
+        section = frame.get("section")
+        if section and section != "forward":
+            label = f"{label} ({section})"
+        series.append((label, abs_max, min_nonzero, non_finite, names))
+    return series
+
+
+def plot_dump(dump, out_path, title=None):
+    """Draw a loaded dump (``numguard.dump.load``) to ``out_path`` (PNG). Returns ``out_path``."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise PlotUnavailableError(
+            f"plotting needs matplotlib, which is not installed ({exc}): pip install matplotlib"
+        ) from None
+    series = frame_series(dump)
+    if not series:
+        raise ValueError("the dump holds no frames to plot")
+    xs = list(range(len(series)))
+    fig = Figure(figsize=(max(6.0, min(24.0, 0.35 * len(series) + 3.0)), 5.0))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.set_yscale("log")
+    highs = [(x, s[1]) for x, s in zip(xs, series) if s[1] is not None]
+    lows = [(x, s[2]) for x, s in zip(xs, series) if s[2] is not None]
+    if highs:
+        ax.plot([p[0] for p in highs], [p[1] for p in highs], "o-", color="tab:blue", label="abs max")
+    if lows:
+        ax.plot([p[0] for p in lows], [p[1] for p in lows], "s-", color="tab:green",
+                label="min nonzero")
+    bad = [x for x, s in zip(xs, series) if s[3]]
+    for number, x in enumerate(bad):
+        ax.axvline(x, color="tab:red", alpha=0.35, lw=3, label="NaN/Inf" if number == 0 else None)
+    seen = []
+    for s in series:
+        seen.extend(name for name in s[4] if name not in seen)
+    styles = ["--", ":", "-.", (0, (5, 1))]
+    for number, name in enumerate(seen):
+        largest, smallest_normal = _DTYPE_LIMITS[name]
+        style = styles[number % len(styles)]
+        ax.axhline(largest, color="black", ls=style, lw=1, label=f"{name} max {largest:.3g}")
+        ax.axhline(smallest_normal, color="gray", ls=style, lw=1,
+                   label=f"{name} smallest normal {smallest_normal:.3g}")
+    ax.set_xticks(xs)
+    ax.set_xticklabels([s[0] for s in series], rotation=75, ha="right", fontsize=7)
+    ax.set_xlabel("frame")
+    ax.set_ylabel("magnitude")
+    if title is None:
+        batch = dump.get("batch_number", dump.get("batch"))
+        rank = dump.get("rank")
+        title = "numguard dump" + (f", batch {batch}" if batch is not None else "") + (
+            f", rank {rank}" if rank is not None else "")
+    ax.set_title(title)
+    ax.grid(True, which="major", axis="y", alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(out_path, format="png", dpi=100)
+    return out_path

@@ -1,0 +1,254 @@
+"""NUMGUARD=1 on an unmodified script: the start-up hook, root detection, settings, ranks.
+
+Every test runs Python in a subprocess, as a job would start. When numguard is pip-installed here
+its start-up hook sits in site-packages and these tests use it as installed; when numguard is only
+built in place, a `sitecustomize` on PYTHONPATH adds a folder holding the same hook file with
+`site.addsitedir`, which runs it exactly as `site` runs an installed one.
+"""
+import importlib.metadata
+import json
+import os
+import shutil
+import site
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from numguard import _startup
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "tests", "scripts", "unmodified_train.py")
+MODULES_CODE = "import sys; print('torch' in sys.modules, 'numguard' in sys.modules)"
+
+
+def _installed_hook():
+    for folder in site.getsitepackages() + [site.getusersitepackages()]:
+        path = os.path.join(folder, _startup.PTH_NAME)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+@pytest.fixture(scope="module")
+def job_env(tmp_path_factory):
+    """A function giving the environment for a subprocess with the start-up hook active."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("NUMGUARD")}
+    path = [REPO]
+    if _installed_hook() is None:
+        shim = tmp_path_factory.mktemp("startup-shim")
+        hook_dir = shim / "site"
+        hook_dir.mkdir()
+        shutil.copy(_startup.pth_path(), hook_dir / _startup.PTH_NAME)
+        (shim / "sitecustomize.py").write_text(f"import site\nsite.addsitedir({str(hook_dir)!r})\n")
+        path.insert(0, str(shim))
+    base["PYTHONPATH"] = os.pathsep.join(path + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    base.setdefault("OMP_NUM_THREADS", "1")
+
+    def make(**variables):
+        full = dict(base)
+        full.update(variables)
+        return full
+    return make
+
+
+def run(args, environ, timeout=240):
+    return subprocess.run([sys.executable] + args, capture_output=True, text=True, env=environ,
+                          cwd=REPO, timeout=timeout)
+
+
+def test_hook_file_is_one_cheap_line():
+    with open(_startup.pth_path(), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    assert len(lines) == 1
+    # `site` executes lines that start with "import"; the environment is read before anything else.
+    assert lines[0].startswith("import os; os.environ.get(\"NUMGUARD\"")
+
+
+def test_hook_installed_with_the_package():
+    try:
+        dist = importlib.metadata.distribution("numguard")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("numguard is built in place, not pip-installed: no installed files to check")
+    files = [str(f) for f in (dist.files or [])]
+    assert _startup.PTH_NAME in files, files
+    assert _installed_hook() is not None
+
+
+@pytest.mark.parametrize("value", [None, "0", ""])
+def test_off_imports_nothing_at_startup(job_env, value):
+    environ = job_env() if value is None else job_env(NUMGUARD=value)
+    out = run(["-c", MODULES_CODE], environ)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_on_still_imports_nothing_before_the_script_imports_torch(job_env):
+    out = run(["-c", MODULES_CODE + "; print(sorted(m for m in sys.modules if 'numguard' in m))"],
+              job_env(NUMGUARD="1"))
+    assert out.returncode == 0, out.stderr
+    first, rest = out.stdout.split("\n", 1)
+    assert first.split() == ["False", "False"]
+    assert "'numguard._startup'" in rest  # only the torch-free start-up module is loaded
+
+
+def test_invalid_variable_fails_fast_naming_it(job_env):
+    out = run([SCRIPT, "--steps", "1"], job_env(NUMGUARD="1", NUMGUARD_MAX_FRAMES="many"))
+    assert out.returncode != 0
+    assert "NUMGUARD_MAX_FRAMES" in out.stderr and "'many'" in out.stderr
+    assert "whole number" in out.stderr
+    assert "step 0" not in out.stdout  # it failed before training
+
+
+def test_invalid_variable_is_ignored_when_off(job_env):
+    out = run([SCRIPT, "--steps", "1"], job_env(NUMGUARD_MAX_FRAMES="many"))
+    assert out.returncode == 0, out.stderr
+
+
+def test_unmodified_script_overflow_is_detected(job_env):
+    out = run([SCRIPT, "--steps", "4", "--overflow-at", "2", "--print-modules"],
+              job_env(NUMGUARD="1", NUMGUARD_MAX_FRAMES="5"))
+    assert out.returncode != 0
+    assert "step 1 loss" in out.stdout and "step 2 loss" not in out.stdout
+    assert "Detected inf/nan during batch_number=2" in out.stdout
+    assert "Last 5 forward frames:" in out.stdout
+    assert "NonFiniteError" in out.stderr
+    assert "finished" not in out.stdout
+
+
+def test_unmodified_healthy_script_runs_to_the_end(job_env):
+    out = run([SCRIPT, "--steps", "3", "--print-modules"], job_env(NUMGUARD="1"))
+    assert out.returncode == 0, out.stderr
+    assert "numguard imported: True" in out.stdout
+    assert "finished 3 steps" in out.stdout
+    assert "could not watch" not in out.stderr
+
+
+def test_roots_are_watched_once(job_env):
+    # The model and the loss module are roots; the model's submodules are not watched again,
+    # not even when the script calls one of them on its own.
+    code = """
+import torch
+from torch import nn
+model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+loss_fn = nn.MSELoss()
+for _ in range(2):
+    loss = loss_fn(model(torch.randn(3, 4)), torch.zeros(3, 2))
+    model[0](torch.randn(3, 4))
+from numguard import _startup
+w = _startup.auto_watcher()
+print([type(m).__name__ for m in w.roots()])
+print(len(model[0]._forward_hooks) == len(model[2]._forward_hooks))
+"""
+    out = run(["-c", code], job_env(NUMGUARD="1"))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split("\n")
+    assert lines[0] == "['Sequential', 'MSELoss']"
+    assert lines[1] == "True"
+
+
+def test_a_new_root_above_an_earlier_root_takes_it_over(job_env):
+    code = """
+import torch
+from torch import nn
+inner = nn.Linear(4, 4)
+outer = nn.Sequential(inner, nn.ReLU())
+inner(torch.randn(2, 4))
+n_inner = len(inner._forward_hooks)
+outer(torch.randn(2, 4))
+from numguard import _startup
+print([type(m).__name__ for m in _startup.auto_watcher().roots()], len(inner._forward_hooks) <= n_inner)
+"""
+    out = run(["-c", code], job_env(NUMGUARD="1"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['Sequential'] True"
+
+
+def test_script_that_watches_itself_is_not_watched_twice(job_env):
+    code = """
+import torch, numguard
+from torch import nn
+model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+insp = numguard.watch(model)
+model(torch.randn(2, 4)); model(torch.randn(2, 4))
+from numguard import _startup
+print([type(m).__name__ for m in _startup.auto_watcher().roots()])
+"""
+    out = run(["-c", code], job_env(NUMGUARD="1"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_keyword_inputs_of_the_first_root_call_reach_the_model(job_env):
+    code = """
+import torch
+from torch import nn
+class M(nn.Module):
+    def __init__(self):
+        super().__init__(); self.lin = nn.Linear(4, 4)
+    def forward(self, x, *, scale=1.0):
+        return self.lin(x) * scale
+m = M()
+print(float(m(torch.ones(1, 4), scale=0.0).abs().sum()))
+"""
+    out = run(["-c", code], job_env(NUMGUARD="1"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0.0"
+
+
+def test_on_trip_variable_dump_writes_a_file_and_training_goes_on(job_env, tmp_path):
+    out = run([SCRIPT, "--steps", "4", "--overflow-at", "2"],
+              job_env(NUMGUARD="1", NUMGUARD_ON_TRIP="dump", NUMGUARD_DUMP_DIR=str(tmp_path)))
+    assert out.returncode == 0, out.stderr
+    assert "finished 4 steps" in out.stdout
+    dumps = sorted(p for p in os.listdir(tmp_path) if p.endswith(".json"))
+    assert dumps, (out.stdout, out.stderr)
+    with open(tmp_path / dumps[0]) as f:
+        data = json.load(f)
+    assert data["frames"]
+
+
+def test_backward_variable_catches_a_backward_only_nan_before_the_step(job_env):
+    out = run([SCRIPT, "--steps", "3", "--nan-grad-at", "1"],
+              job_env(NUMGUARD="1", NUMGUARD_BACKWARD="1"))
+    assert out.returncode != 0
+    assert "step 0 loss" in out.stdout and "step 1 loss" not in out.stdout
+    assert "NonFiniteError" in out.stderr
+    assert "grad" in out.stdout
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_two_ranks_unmodified_script(job_env, overflow):
+    port = str(_free_port())
+    procs = []
+    for rank in range(2):
+        environ = job_env(NUMGUARD="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                          LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        args = [sys.executable, SCRIPT, "--steps", "3"] + (["--overflow-at", "1"] if overflow else [])
+        procs.append(subprocess.Popen(args, env=environ, cwd=REPO, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=240)
+            results.append((proc.returncode, stdout, stderr))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for code, stdout, stderr in results:
+        if overflow:
+            assert code != 0
+            assert "Detected inf/nan during batch_number=1" in stdout, (stdout, stderr)
+            assert "NonFiniteError" in stderr
+        else:
+            assert code == 0, stderr
+            assert "finished 3 steps" in stdout
