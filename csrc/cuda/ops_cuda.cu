@@ -128,13 +128,16 @@ int64_t ceil_div(int64_t a, int64_t b) {
 }
 
 // Records of xs (all on the current device) into records[first_row + i]; see stats_launch.cuh.
-void compute_records(at::TensorList xs, double* records, double* max_values, const at::Device& device) {
+// `single`: the call is tensor_stats(x), so errors name `x` rather than `xs[i]`.
+void compute_records(at::TensorList xs, double* records, double* max_values, const at::Device& device,
+                     bool single = false) {
   const int64_t n = static_cast<int64_t>(xs.size());
   std::vector<at::Tensor> keep_alive;  // contiguous copies, freed stream-ordered after the launches
   std::vector<DenseView> views;
   views.reserve(n);
   for (int64_t i = 0; i < n; ++i) {
-    const std::string what = "xs[" + std::to_string(i) + "]";
+    const std::string what = single ? std::string("x") : "xs[" + std::to_string(i) + "]";
+    TORCH_CHECK(xs[i].defined(), "numguard: ", what, " is an undefined tensor");
     TORCH_CHECK(xs[i].device() == device, "numguard: ", what, " is on ", xs[i].device(), " but xs[0] is on ",
                 device, "; all tensors of one call must be on one device: split the call per device");
     views.push_back(dense_view(xs[i], what, keep_alive));
@@ -185,14 +188,15 @@ void compute_records(at::TensorList xs, double* records, double* max_values, con
 }
 
 at::Tensor tensor_stats_cuda(const at::Tensor& x) {
+  TORCH_CHECK(x.defined(), "numguard: x is an undefined tensor; pass a real tensor");
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({kNumStats}, at::TensorOptions().dtype(at::kDouble).device(x.device()));
-  compute_records(at::TensorList(&x, 1), out.mutable_data_ptr<double>(), nullptr, x.device());
+  compute_records(at::TensorList(&x, 1), out.mutable_data_ptr<double>(), nullptr, x.device(), /*single=*/true);
   return out;
 }
 
 at::Tensor multi_tensor_stats_cuda(at::TensorList xs) {
-  TORCH_CHECK(!xs.empty(), "numguard: multi_tensor_stats got an empty list on CUDA");
+  TORCH_CHECK(!xs.empty() && xs[0].defined(), "numguard: multi_tensor_stats on CUDA needs at least one tensor");
   const at::Device device = xs[0].device();
   const c10::cuda::CUDAGuard guard(device);
   at::Tensor out = at::empty({static_cast<int64_t>(xs.size()), kNumStats},
@@ -203,21 +207,28 @@ at::Tensor multi_tensor_stats_cuda(at::TensorList xs) {
 
 void record_cuda(const at::Tensor& ring, const at::Tensor& state, at::TensorList xs, int64_t position,
                  double headroom) {
-  TORCH_CHECK(ring.is_cuda() && ring.scalar_type() == at::kDouble && ring.dim() == 2 &&
-                  ring.size(1) == kNumStats && ring.size(0) >= 1 && ring.is_contiguous(),
-              "numguard: ring must be a contiguous float64 [R, ", kNumStats, "] CUDA tensor with R >= 1 "
-              "(numguard.ops.new_ring makes one), got ", ring.scalar_type(), " ", ring.sizes(), " on ",
-              ring.device());
-  TORCH_CHECK(state.device() == ring.device() && state.scalar_type() == at::kLong &&
-                  state.numel() == kStateSize && state.is_contiguous(),
-              "numguard: state must be a contiguous int64[", kStateSize, "] tensor on ", ring.device(),
-              " (numguard.ops.new_ring makes one), got ", state.scalar_type(), " ", state.sizes(), " on ",
-              state.device());
+  TORCH_CHECK(ring.defined() && ring.is_cuda() && ring.layout() == at::kStrided,
+              "numguard: ring must be a dense CUDA tensor here, got ",
+              ring.defined() ? c10::str(ring.device()) : std::string("an undefined tensor"));
+  TORCH_CHECK(ring.scalar_type() == at::kDouble && ring.dim() == 2 && ring.size(0) >= 1 && ring.size(1) == kNumStats,
+              "numguard: ring must be float64[R, ", kNumStats, "] with R >= 1 (see numguard.ops.new_ring), got ",
+              ring.scalar_type(), ring.sizes());
+  TORCH_CHECK(ring.is_contiguous(), "numguard: ring must be contiguous on CUDA, got strides ", ring.strides(),
+              "; pass a ring made by numguard.ops.new_ring");
+  TORCH_CHECK(state.defined() && state.device() == ring.device() && state.layout() == at::kStrided,
+              "numguard: state must be a dense tensor on the ring's device (", ring.device(), "), got ",
+              state.defined() ? c10::str(state.device()) : std::string("an undefined tensor"));
+  TORCH_CHECK(state.scalar_type() == at::kLong && state.dim() == 1 && state.size(0) == kStateSize,
+              "numguard: state must be int64[", kStateSize, "] (see numguard.ops.new_ring), got ", state.scalar_type(),
+              state.sizes());
+  TORCH_CHECK(state.is_contiguous(), "numguard: state must be contiguous on CUDA, got strides ", state.strides(),
+              "; pass a state made by numguard.ops.new_ring");
   if (xs.empty()) return;
   const at::Device device = ring.device();
   const c10::cuda::CUDAGuard guard(device);
   const int64_t n = static_cast<int64_t>(xs.size());
   for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(xs[i].defined(), "numguard: xs[", i, "] is an undefined tensor");
     TORCH_CHECK(xs[i].device() == device, "numguard: xs[", i, "] is on ", xs[i].device(), " but the ring is on ",
                 device, "; record tensors into a ring on their own device");
   }

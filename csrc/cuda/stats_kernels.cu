@@ -6,6 +6,7 @@
 // multi-tensor launch shape (NOTE: [multi-tensor table] in stats_launch.cuh).
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <type_traits>
 
 #include <c10/cuda/CUDAException.h>
@@ -395,15 +396,18 @@ __global__ void __launch_bounds__(kRecordThreads)
 
 int stats_blocks_per_wave() {
   constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices] = {};  // 0: not computed yet (benign race: same value written)
+  static std::atomic<int> cached[kMaxDevices] = {};  // 0: not computed yet; racing writers agree
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
-  if (device >= 0 && device < kMaxDevices && cached[device] > 0) return cached[device];
+  if (device >= 0 && device < kMaxDevices) {
+    const int known = cached[device].load(std::memory_order_relaxed);
+    if (known > 0) return known;
+  }
   int sms = 0, per_sm = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, stats_kernel, kStatsThreads, 0));
   const int wave = (sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
-  if (device >= 0 && device < kMaxDevices) cached[device] = wave;
+  if (device >= 0 && device < kMaxDevices) cached[device].store(wave, std::memory_order_relaxed);
   return wave;
 }
 

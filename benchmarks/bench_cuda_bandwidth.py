@@ -1,0 +1,138 @@
+"""CUDA bandwidth of numguard's kernels, measured side by side in one process:
+
+* tensor_stats on 256 MB and 1 GB tensors (fp32, bf16, fp16) against a device-to-device copy
+  (bytes read + written) and torch.sum (one read); target: stats >= 80% of copy bandwidth;
+* multi_tensor_stats over 1000 tensors of 4 KB against 1000 separate tensor_stats calls;
+  target: >= 20x faster.
+
+Prints a table and writes JSON to benchmarks/results/bench_cuda_bandwidth.json.
+
+    python benchmarks/bench_cuda_bandwidth.py [--sizes-mb 256 1024] [--iters 20]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+import numguard
+from numguard import _torch_ops, ops
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def time_cuda(fn, iters: int, warmup: int = 3) -> float:
+    """Mean seconds per call of fn on the current stream (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def time_wall(fn, reps: int) -> float:
+    """Best-of-reps wall seconds of fn including the device work it queued."""
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bandwidth_rows(sizes_mb, iters):
+    rows = []
+    device = torch.device("cuda")
+    for mb in sizes_mb:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            nbytes = mb * 1024 * 1024
+            n = nbytes // torch.empty((), dtype=dtype).element_size()
+            x = torch.randn(n, device=device, dtype=torch.float32).to(dtype)
+            dst = torch.empty_like(x)
+            got = numguard.tensor_stats(x)
+            want = _torch_ops.tensor_stats(x)  # reference on the same device
+            exact = bool(torch.equal(got, want))
+            t_stats = time_cuda(lambda: numguard.tensor_stats(x), iters)
+            t_copy = time_cuda(lambda: dst.copy_(x), iters)
+            t_sum = time_cuda(lambda: torch.sum(x), iters)
+            stats_gbs = nbytes / t_stats / 1e9
+            copy_gbs = 2 * nbytes / t_copy / 1e9
+            sum_gbs = nbytes / t_sum / 1e9
+            rows.append({"size_mb": mb, "dtype": str(dtype).replace("torch.", ""), "stats_ms": t_stats * 1e3,
+                         "stats_gb_s": stats_gbs, "copy_gb_s": copy_gbs, "sum_gb_s": sum_gbs,
+                         "stats_vs_copy": stats_gbs / copy_gbs, "stats_vs_sum": stats_gbs / sum_gbs,
+                         "matches_reference": exact})
+            del x, dst
+            torch.cuda.empty_cache()
+    return rows
+
+
+def multi_tensor_row(count: int, nbytes: int, reps: int):
+    device = torch.device("cuda")
+    xs = [torch.randn(nbytes // 4, device=device) for _ in range(count)]
+    multi = numguard.multi_tensor_stats(xs)
+    singles = torch.stack([numguard.tensor_stats(x) for x in xs])
+    exact = bool(torch.equal(multi, singles))
+    t_multi = time_wall(lambda: numguard.multi_tensor_stats(xs), reps)
+    t_loop = time_wall(lambda: [numguard.tensor_stats(x) for x in xs], reps)
+    return {"tensors": count, "tensor_bytes": nbytes, "multi_ms": t_multi * 1e3, "loop_ms": t_loop * 1e3,
+            "speedup": t_loop / t_multi, "matches_separate_calls": exact}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--json", default=os.path.join(RESULTS, "bench_cuda_bandwidth.json"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_cuda_bandwidth: no CUDA device visible; nothing to measure")
+        return 1
+    native = ops.native_module()
+    archs = native.cuda_architectures() if native is not None else []
+    if not archs:
+        print(f"bench_cuda_bandwidth: numguard has no CUDA kernels (backend={numguard.backend()}); "
+              "the numbers below would be the fallback's")
+    rows = bandwidth_rows(args.sizes_mb, args.iters)
+    multi = multi_tensor_row(1000, 4096, reps=10)
+
+    name = torch.cuda.get_device_name()
+    print(f"\nnumguard CUDA kernels on {name} (torch {torch.__version__}, backend {numguard.backend()}, "
+          f"archs {archs})")
+    print(f"{'size':>7} {'dtype':>9} {'stats ms':>9} {'stats GB/s':>11} {'copy GB/s':>10} {'sum GB/s':>9} "
+          f"{'stats/copy':>11} {'stats/sum':>10} {'exact':>6}")
+    for r in rows:
+        print(f"{r['size_mb']:>5}MB {r['dtype']:>9} {r['stats_ms']:>9.3f} {r['stats_gb_s']:>11.0f} "
+              f"{r['copy_gb_s']:>10.0f} {r['sum_gb_s']:>9.0f} {r['stats_vs_copy']:>10.2f}x "
+              f"{r['stats_vs_sum']:>9.2f}x {str(r['matches_reference']):>6}")
+    print(f"multi_tensor_stats over {multi['tensors']} x {multi['tensor_bytes'] // 1024} KB fp32: "
+          f"{multi['multi_ms']:.3f} ms vs {multi['loop_ms']:.3f} ms for separate tensor_stats calls: "
+          f"{multi['speedup']:.1f}x faster (exact: {multi['matches_separate_calls']})")
+    min_ratio = min(r["stats_vs_copy"] for r in rows)
+    print(f"targets: stats >= 0.80x copy bandwidth on >= 256 MB: min {min_ratio:.2f}x "
+          f"({'met' if min_ratio >= 0.8 else 'NOT met'}); multi-tensor >= 20x: {multi['speedup']:.1f}x "
+          f"({'met' if multi['speedup'] >= 20 else 'NOT met'})")
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"device": name, "torch": torch.__version__, "backend": numguard.backend(), "archs": archs,
+                   "bandwidth": rows, "multi_tensor": multi}, f, indent=2)
+    print(f"wrote {args.json}")
+    ok = all(r["matches_reference"] for r in rows) and multi["matches_separate_calls"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

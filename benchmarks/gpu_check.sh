@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# One command on a machine with an NVIDIA GPU (no network needed; uses the system python and the
+# torch installed there):
+#   1. build numguard in place with its CUDA kernels (TORCH_CUDA_ARCH_LIST defaults to 9.0);
+#   2. run the tests on CUDA (sync-debug mode "error" around the ops), CUDA-focused files first;
+#   3. capture tensor_stats / multi_tensor_stats / record_ in a CUDA graph, replay, compare to eager;
+#   4. print the kernel bandwidth table last.
+# Every phase is timed; a failing phase does not stop the later ones; the exit status is non-zero
+# if any phase failed. Designed to finish in well under 8 minutes on an H200.
+#
+# Environment: PYTHON (default python3), TORCH_CUDA_ARCH_LIST (default 9.0), MAX_JOBS,
+# OUT (if set, the JSON results are copied there).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT="$(pwd)"
+PY="${PYTHON:-python3}"
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export NUMGUARD_REQUIRE_NATIVE=1 NUMGUARD_EXPECT_CUDA_KERNELS=1
+unset NUMGUARD  # the checks call the ops directly; no automatic watching
+START=$(date +%s)
+
+declare -a SUMMARY=()
+FAILED=0
+phase() {  # phase NAME TIMEOUT_S COMMAND...
+  local name="$1" limit="$2"; shift 2
+  local t0 rc
+  t0=$(date +%s)
+  echo
+  echo "+++ gpu_check [$name] (limit ${limit}s, $(( t0 - START ))s elapsed): $*"
+  timeout --signal=TERM --kill-after=10 "$limit" "$@"
+  rc=$?
+  local took=$(( $(date +%s) - t0 ))
+  if [ "$rc" -eq 0 ]; then
+    SUMMARY+=("$(printf '%-28s ok     %4ds' "$name" "$took")")
+  else
+    [ "$rc" -eq 124 ] && echo "+++ gpu_check [$name] TIMED OUT after ${limit}s"
+    SUMMARY+=("$(printf '%-28s FAILED %4ds (exit %d)' "$name" "$took" "$rc")")
+    FAILED=1
+  fi
+  echo "+++ gpu_check [$name] exit $rc after ${took}s"
+  return "$rc"
+}
+
+# --- 0. the machine ----------------------------------------------------------------------------
+export PY
+phase "environment" 60 bash -c '
+  set -x
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || nvidia-smi -L
+  nvcc --version | tail -n 2
+  command -v ninja || echo "ninja not found: the build compiles one file at a time"
+  "$PY" -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda); assert torch.cuda.is_available(), \"no CUDA device visible\"; print(torch.cuda.get_device_name())"
+'
+
+# --- 1. build ----------------------------------------------------------------------------------
+rm -f numguard/_C*.so
+phase "build (CUDA $TORCH_CUDA_ARCH_LIST)" 300 env NUMGUARD_BUILD_CUDA=1 "$PY" setup.py -q build_ext --inplace
+phase "import" 60 "$PY" -c "
+import torch, numguard
+from numguard import ops
+archs = ops.native_module().cuda_architectures() if ops.native_module() else []
+print('backend', numguard.backend(), 'archs', archs)
+assert numguard.backend() == 'native', ops.fallback_reason()
+assert archs, 'built without CUDA kernels'
+for op in ('tensor_stats', 'multi_tensor_stats', 'record_'):
+    assert torch._C._dispatch_has_kernel_for_dispatch_key('numguard::' + op, 'CUDA'), op
+"
+
+# --- 2. tests ----------------------------------------------------------------------------------
+PYTEST=("$PY" -m pytest -x -q -p no:cacheprovider -o addopts="" -rfEs)
+CUDA_TESTS=(tests/test_kernels.py tests/test_cuda_build.py)
+phase "tests: kernels on CUDA" 200 "${PYTEST[@]}" "${CUDA_TESTS[@]}"
+OTHER_TESTS=()
+for f in tests/test_*.py; do
+  case " ${CUDA_TESTS[*]} " in *" $f "*) ;; *) OTHER_TESTS+=("$f") ;; esac
+done
+if [ "${#OTHER_TESTS[@]}" -gt 0 ]; then
+  phase "tests: rest of the suite" 150 "${PYTEST[@]}" "${OTHER_TESTS[@]}"
+fi
+
+# --- 3. CUDA graph capture / replay against eager -----------------------------------------------
+phase "CUDA graph + reference" 120 "$PY" benchmarks/cuda_graph_check.py
+
+# --- 4. bandwidth ------------------------------------------------------------------------------
+if [ -f benchmarks/bench_kernels.py ]; then
+  if "$PY" benchmarks/bench_kernels.py --help 2>/dev/null | grep -q -- "--cuda-only"; then
+    phase "bench_kernels --cuda-only" 120 "$PY" benchmarks/bench_kernels.py --cuda-only
+  else
+    echo "+++ gpu_check: benchmarks/bench_kernels.py has no --cuda-only flag; its CPU sweep is not run here"
+  fi
+fi
+
+echo
+echo "+++ gpu_check summary (before the bandwidth table)"
+for line in "${SUMMARY[@]}"; do echo "    $line"; done
+phase "bandwidth table" 150 "$PY" benchmarks/bench_cuda_bandwidth.py
+
+if [ -n "${OUT:-}" ] && [ -d benchmarks/results ]; then
+  cp benchmarks/results/*.json "$OUT"/ 2>/dev/null || true
+fi
+echo
+if [ "$FAILED" -ne 0 ]; then
+  echo "gpu_check: some phases FAILED (total $(( $(date +%s) - START ))s):"
+  printf '    %s\n' "${SUMMARY[@]}" | grep FAILED
+  exit 1
+fi
+echo "gpu_check: all phases passed (total $(( $(date +%s) - START ))s)"
