@@ -90,6 +90,8 @@ def multi_tensor_stats(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     check_same_device(xs)
     if _native is None:
         return _torch_ops.multi_tensor_stats(xs)
+    if not xs:  # no tensor argument: the dispatcher could not pick a device
+        return torch.empty((0, NUM_STATS), dtype=torch.float64)
     return torch.ops.numguard.multi_tensor_stats.default(xs)
 
 
@@ -114,6 +116,7 @@ def record_(ring: torch.Tensor, state: torch.Tensor, xs: Sequence[torch.Tensor],
     """Record xs into ring[(position + i) % len(ring)] unless the ring is frozen by an earlier trip;
     trip `state` on NaN/Inf (first offending position kept), flag headroom. No host sync."""
     xs = list(xs)
+    check_same_device(xs)
     if _native is None:
         _torch_ops.record_(ring, state, xs, position, headroom)
         return
