@@ -5,8 +5,11 @@
     insp = numguard.watch(model)        # module hooks, device-side ring, report on NaN/Inf
 """
 from .ops import STAT_FIELDS, backend, multi_tensor_stats, record_, tensor_stats
+from .errors import NonFiniteError
+from .inspector import DebugUnderflowOverflow, Inspector, detect_overflow, watch
 
-__all__ = ["STAT_FIELDS", "backend", "multi_tensor_stats", "record_", "tensor_stats"]
+__all__ = ["STAT_FIELDS", "backend", "multi_tensor_stats", "record_", "tensor_stats",
+           "watch", "Inspector", "DebugUnderflowOverflow", "detect_overflow", "NonFiniteError"]
 __version__ = "0.1.0"
 
 

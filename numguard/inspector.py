@@ -1,0 +1,1101 @@
+"""The Inspector: module hooks that record stats into a device-side ring without host syncs, and
+report the frames that led to the first NaN/Inf in the format of Transformers'
+``DebugUnderflowOverflow``.
+
+Data flow (DESIGN.md "Data flow"):
+
+- every module gets a forward hook (with kwargs). A hook flattens the frame's tensors (inputs,
+  keyword inputs, outputs and their nested containers) and makes ONE ``numguard.ops.record_`` call
+  into the device ring; the host appends the frame's metadata (module, labels, dtypes, shapes,
+  batch) to a list. Hooks never read a device value.
+- weights: at the start of each batch one ``multi_tensor_stats`` launch computes the stats of every
+  parameter (a per-batch weight table, kept on the device). A per-module 0-dim flag (NaN when one
+  of the module's own parameters is non-finite, 0 otherwise) rides along in each frame's record_
+  call, so the ring trips at the first frame that uses a non-finite weight, exactly where
+  Transformers would.
+- batch end (the root module's forward returns): every ``check_every``-th batch the host reads the
+  small state (one device->host copy), or, with ``check="async"``, copies it to pinned memory and
+  reads it at the next check. Only after a trip does it copy the ring and render the report.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+import math
+import os
+import sys
+import warnings
+import weakref
+
+import torch
+
+from . import ops
+from . import report as _report
+from .errors import AbortAfterBatch, HeadroomWarning, InspectorWarning, NonFiniteError, NonFiniteWarning
+
+__all__ = ["Inspector", "watch", "DebugUnderflowOverflow", "detect_overflow"]
+
+# Line kinds (bit 4: a line Transformers does not print).
+_T, _NONE, _NOT = 0, 1, 2
+_EXTRA = 4
+_KIND_NAMES = {0: _report.KIND_TENSOR, 1: _report.KIND_NONE, 2: _report.KIND_NOT_A_TENSOR}
+
+_LOW_PRECISION = {torch.float16: 65504.0, torch.bfloat16: torch.finfo(torch.bfloat16).max,
+                  torch.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max,
+                  torch.float8_e5m2: torch.finfo(torch.float8_e5m2).max}
+_RECORDABLE = frozenset([torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+                         torch.float8_e5m2, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                         torch.bool])
+
+_INPUT_LABELS = tuple(f"input[{i}]" for i in range(64))
+_OUTPUT_LABELS = tuple(f"output[{i}]" for i in range(64))
+_MAX_NESTING = 8       # container depth numguard follows beyond Transformers' output[i][j]
+_MAX_ITEMS = 256       # elements per container numguard follows
+_MAX_RING = 1 << 18    # records (16 MiB of float64[8]); older frames drop out beyond this
+
+# Frame tuple fields (a tuple per frame keeps the hook path allocation-light).
+_F_OWNER, _F_BATCH, _F_START, _F_LABELS, _F_KINDS, _F_DTYPES, _F_SHAPES, _F_SECTION, _F_BSTART, \
+    _F_NREC, _F_WFLAG, _F_HF = range(12)
+
+
+class _STDOUT:  # sentinel: print to whatever sys.stdout is at report time
+    pass
+
+
+_active: list = []  # inspectors inside a watched forward (for detect_overflow)
+
+
+class _Owner:
+    """What a frame belongs to: a watched module, or a name given to record_frame."""
+    __slots__ = ("index", "name", "cls", "ref", "wnames", "widx", "flag", "headroom", "off", "is_root",
+                 "__weakref__")
+
+    def __init__(self, index, name, cls, ref=None):
+        self.index = index
+        self.name = name
+        self.cls = cls
+        self.ref = ref
+        self.wnames = ()
+        self.widx = ()
+        self.flag = None
+        self.headroom = 0.0
+        self.off = False
+        self.is_root = False
+
+
+def _rank():
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except Exception:
+        pass
+    return None
+
+
+def _dist_on():
+    try:
+        import torch.distributed as dist
+        return dist.is_available() and dist.is_initialized()
+    except Exception:
+        return False
+
+
+def _key_label(prefix, key):
+    if isinstance(key, str) and key.isidentifier():
+        return f"{prefix}.{key}"
+    return f"{prefix}[{key!r}]"
+
+
+def _flatten_extra(value, label, xs, labels, kinds, depth):
+    """numguard-only lines for the contents of a container (list, tuple, dict, dataclass)."""
+    if depth > _MAX_NESTING:
+        return
+    if isinstance(value, (tuple, list)):
+        items = ((f"{label}[{i}]", v) for i, v in enumerate(value[:_MAX_ITEMS]))
+    elif isinstance(value, dict):
+        items = ((_key_label(label, k), v) for k, v in list(value.items())[:_MAX_ITEMS])
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = ((f"{label}.{f.name}", getattr(value, f.name, None))
+                 for f in dataclasses.fields(value)[:_MAX_ITEMS])
+    else:
+        return
+    for lab, v in items:
+        if isinstance(v, torch.Tensor):
+            xs.append(v)
+            labels.append(lab)
+            kinds.append(_T | _EXTRA)
+        elif v is None:
+            labels.append(lab)
+            kinds.append(_NONE | _EXTRA)
+        else:
+            labels.append(lab)
+            kinds.append(_NOT | _EXTRA)
+            _flatten_extra(v, lab, xs, labels, kinds, depth + 1)
+
+
+def _add(value, label, xs, labels, kinds, extra_nested):
+    """One Transformers line for `value` (tensor / None / not a tensor), then numguard's lines for
+    the contents of a container that Transformers shows as 'not a tensor'."""
+    if isinstance(value, torch.Tensor):
+        xs.append(value)
+        labels.append(label)
+        kinds.append(_T)
+    elif value is None:
+        labels.append(label)
+        kinds.append(_NONE)
+    else:
+        labels.append(label)
+        kinds.append(_NOT)
+        if extra_nested:
+            _flatten_extra(value, label, xs, labels, kinds, 1)
+
+
+def _flatten_frame(args, kwargs, output, extras):
+    """Tensors of a module call and the labels of every line, in Transformers' order (inputs,
+    keyword inputs, outputs)."""
+    xs = []
+    labels = []
+    kinds = []
+    for i, a in enumerate(args):
+        _add(a, _INPUT_LABELS[i] if i < 64 else f"input[{i}]", xs, labels, kinds, extras)
+    if kwargs and extras:
+        for k, v in kwargs.items():
+            lab = "kwargs." + k
+            if isinstance(v, torch.Tensor):
+                xs.append(v)
+                labels.append(lab)
+                kinds.append(_T | _EXTRA)
+            elif v is None:
+                labels.append(lab)
+                kinds.append(_NONE | _EXTRA)
+            else:
+                labels.append(lab)
+                kinds.append(_NOT | _EXTRA)
+                _flatten_extra(v, lab, xs, labels, kinds, 1)
+    if isinstance(output, torch.Tensor):
+        xs.append(output)
+        labels.append("output")
+        kinds.append(_T)
+    elif isinstance(output, tuple):
+        for i, x in enumerate(output):
+            lab = _OUTPUT_LABELS[i] if i < 64 else f"output[{i}]"
+            if isinstance(x, tuple):
+                for j, y in enumerate(x):
+                    _add(y, f"{lab}[{j}]", xs, labels, kinds, extras)
+            else:
+                _add(x, lab, xs, labels, kinds, extras)
+    else:
+        _add(output, "output", xs, labels, kinds, extras)
+    return xs, labels, kinds
+
+
+def _watchable_param(p):
+    return p.device.type != "meta" and not p.is_complex() and p.layout == torch.strided
+
+
+def _unique_params(params):
+    """Every watched parameter once (tied weights once), in module order, detached."""
+    unique = []
+    seen = set()
+    for _, own in params:
+        for _, p in own:
+            if id(p) not in seen and _watchable_param(p):
+                seen.add(id(p))
+                unique.append(p)
+    return unique
+
+
+class Inspector:
+    """Watches every module of `model` (forward hooks), keeping stats on the device until a
+    NaN/Inf trips. Use `watch(model, ...)` to create one; it is a context manager, and `close()`
+    removes every hook it added.
+
+    Args:
+        model: the root module. Its forward returning ends a batch (batches are 0-indexed).
+        max_frames_to_save: frames shown in a report (the last ones, ending with the first frame
+            that holds a non-finite value).
+        trace_batch_nums: batches whose every frame is printed, in Transformers' trace format.
+        abort_after_batch_num: raise `numguard.errors.AbortAfterBatch` (a ValueError) when this
+            batch has finished.
+        backward: also watch gradients (numguard.backward, when available).
+        check: "sync" (read the trip flag at each checked batch end: one tiny device->host copy)
+            or "async" (copy it to pinned memory without waiting and read it at the next check:
+            healthy batches never wait; a trip is reported one check late).
+        check_every: check every N-th batch (records are kept for the batches in between).
+        on_trip: "raise" (numguard.NonFiniteError), "warn" (NonFiniteWarning, training goes on)
+            or "dump" (write a JSON report per rank into `dump_dir`, warn, go on).
+        dump_dir: where on_trip="dump" writes (default: the current directory).
+        headroom: warn once per module when a float16/bfloat16/float8 tensor's abs max passes
+            this fraction of the dtype's largest finite value (0 turns it off).
+        report_to: where reports and traces are printed: a file object, a callable taking the
+            text, or None for nowhere (default: sys.stdout at the time of printing).
+        extras: also show what Transformers does not (keyword inputs, contents of dict / list /
+            dataclass outputs, deeper nesting) on lines of their own.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_frames_to_save: int = 21, trace_batch_nums=(),
+                 abort_after_batch_num=None, *, backward: bool = False, check: str = "sync",
+                 check_every: int = 1, on_trip: str = "raise", dump_dir=None, headroom: float = 0.5,
+                 report_to=_STDOUT, extras: bool = True):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"numguard.watch: model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(max_frames_to_save, int) or isinstance(max_frames_to_save, bool) or max_frames_to_save < 1:
+            raise ValueError(f"numguard.watch: max_frames_to_save={max_frames_to_save!r} must be an int >= 1")
+        if check not in ("sync", "async"):
+            raise ValueError(f"numguard.watch: check={check!r} is not valid: use 'sync' or 'async'")
+        if not isinstance(check_every, int) or isinstance(check_every, bool) or check_every < 1:
+            raise ValueError(f"numguard.watch: check_every={check_every!r} must be an int >= 1")
+        if on_trip not in ("raise", "warn", "dump"):
+            raise ValueError(f"numguard.watch: on_trip={on_trip!r} is not valid: use 'raise', 'warn' or 'dump'")
+        try:
+            headroom = float(headroom or 0.0)
+        except (TypeError, ValueError):
+            raise ValueError(f"numguard.watch: headroom={headroom!r} must be a number in [0, 1)") from None
+        if not 0.0 <= headroom < 1.0 or math.isnan(headroom):
+            raise ValueError(f"numguard.watch: headroom={headroom!r} must be in [0, 1) (0 turns it off)")
+        if abort_after_batch_num is not None and (not isinstance(abort_after_batch_num, int) or abort_after_batch_num < 0):
+            raise ValueError(f"numguard.watch: abort_after_batch_num={abort_after_batch_num!r} must be None "
+                             "or an int >= 0")
+        try:
+            traced = frozenset(int(b) for b in (trace_batch_nums or ()))
+        except (TypeError, ValueError):
+            raise ValueError(f"numguard.watch: trace_batch_nums={trace_batch_nums!r} must be a list of "
+                             "batch numbers") from None
+
+        self.max_frames_to_save = max_frames_to_save
+        self.trace_batch_nums = traced
+        self.abort_after_batch_num = abort_after_batch_num
+        self.check_mode = check
+        self.check_every = check_every
+        self.on_trip = on_trip
+        self.dump_dir = dump_dir
+        self.headroom = headroom
+        self.report_to = report_to
+        self.extras = bool(extras)
+        self.backward = bool(backward)
+        self.trips = 0                    # trips handled (on_trip warn/dump go on after one)
+        self.last_report = None           # the last report dictionary (see numguard.dump)
+
+        self._model_ref = weakref.ref(model)
+        self._handles = []
+        self._closed = False
+        self._owners = []
+        self._module_names = weakref.WeakKeyDictionary()
+        self._named = {}                  # (name, class) -> _Owner for record_frame
+        self._warned = set()
+
+        device = None
+        for p in model.parameters():
+            device = p.device
+            break
+        if device is None:
+            for b in model.buffers():
+                device = b.device
+                break
+        self._device = device if device is not None and device.type != "meta" else torch.device("cpu")
+        self._ring, _ = ops.new_ring(max(64, 8 * max_frames_to_save), self._device)
+        self._state_buf = torch.tensor([0, -1, 0, -1, 0, 0, 0, 0], dtype=torch.int64, device=self._device)
+        self._state = self._state_buf[0:4]
+        self._pos = 0
+        self._frames = []
+        self._frame_starts = []           # start position per frame (for bisect)
+        self._floor = 0                   # frames before this index are not report context
+        self._batches_done = 0
+        self._depth = 0
+        self._batch_open = False
+        self._pending_start = 0           # Transformers' "Starting batch number" lines go before the next frame
+        self._wtables = {}                # batch -> (device stats [W, 8], layout)
+        self._wlayout = None
+        self._wlayout_ids = None
+        self._w_limits_inv = None
+        self._last_check_frames = 0
+        self._async_host = None
+        self._async_np = None
+        self._async_event = None
+        self._async_pending = None        # (frames length, position, batch) of the issued copy
+
+        root_name_seen = False
+        for name, module in model.named_modules():
+            owner = _Owner(len(self._owners), name, module.__class__.__name__, weakref.ref(module))
+            owner.headroom = headroom
+            self._owners.append(owner)
+            self._module_names[module] = name
+            if module is model and not root_name_seen:
+                owner.is_root = True
+                root_name_seen = True
+                self._root_owner = owner
+                self._handles.append(module.register_forward_pre_hook(self._root_pre_hook))
+                self._handles.append(module.register_forward_hook(
+                    functools.partial(self._root_hook, owner), with_kwargs=True, always_call=True))
+            else:
+                self._handles.append(module.register_forward_hook(
+                    functools.partial(self._hook, owner), with_kwargs=True))
+
+        self._backward_watch = None
+        if backward:
+            try:
+                from . import backward as _backward
+                self._backward_watch = _backward.BackwardWatcher(self, model)
+            except ImportError:
+                warnings.warn("numguard: backward=True needs numguard.backward, which is not available "
+                              "in this installation; watching the forward pass only", InspectorWarning,
+                              stacklevel=2)
+
+    # ------------------------------------------------------------------------------------------
+    # Public surface
+
+    @property
+    def batch_number(self) -> int:
+        """The 0-indexed current batch: the batch whose forward is running, or whose forward last
+        finished (its backward and optimizer step see the same number)."""
+        if self._depth > 0 or self._batches_done == 0:
+            return self._batches_done
+        return self._batches_done - 1
+
+    @property
+    def module_names(self):
+        """Mapping module -> qualified name (weak keys; the first name of a reused module)."""
+        return self._module_names
+
+    @property
+    def model(self):
+        return self._model_ref()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close(check=exc_type is None)
+        return False
+
+    def close(self, check: bool = True) -> None:
+        """Remove every hook numguard added. With `check`, batches not checked yet are checked
+        first (with the configured on_trip action)."""
+        if self._closed:
+            return
+        try:
+            if check and (len(self._frames) > self._last_check_frames or self._async_pending is not None):
+                self._async_pending = None
+                self._check_now_sync("close")
+        finally:
+            self._closed = True
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            if self._backward_watch is not None:
+                try:
+                    self._backward_watch.close()
+                except Exception as exc:
+                    warnings.warn(f"numguard: closing the backward watch failed: {exc}", InspectorWarning)
+                self._backward_watch = None
+            if self in _active:
+                _active.remove(self)
+
+    def record_frame(self, module_name: str, class_name: str, labels, values, section: str = "forward") -> None:
+        """Record a frame of your own (no host sync). `values[i]` is shown on line `labels[i]`:
+        tensors get a stats line, None a 'None' line, anything else a 'not a tensor' line.
+        Frames whose section is not "forward" are reported in a section of their own
+        ("Last N <section> frames:")."""
+        if self._closed:
+            return
+        key = (module_name, class_name)
+        owner = self._named.get(key)
+        if owner is None:
+            owner = _Owner(-1, module_name, class_name)
+            owner.headroom = self.headroom
+            self._named[key] = owner
+        if len(labels) != len(values):
+            raise ValueError(f"numguard.record_frame: {len(labels)} labels but {len(values)} values; give "
+                             "one label per value")
+        xs = []
+        kinds = []
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                xs.append(v)
+                kinds.append(_T)
+            elif v is None:
+                kinds.append(_NONE)
+            else:
+                kinds.append(_NOT)
+        self._record(owner, xs, list(labels), kinds, section, False, False)
+
+    def check(self, where: str = "batch end") -> None:
+        """Look at the trip flag now (check="sync": one tiny device->host read; "async": read the
+        copy made at the previous check and start a new one) and handle a trip: print the report,
+        then raise / warn / dump as configured."""
+        if self._closed:
+            return
+        if self.check_mode == "async":
+            self._check_async(where)
+        else:
+            self._check_now_sync(where)
+
+    # ------------------------------------------------------------------------------------------
+    # Hooks (no host sync in here)
+
+    def _root_pre_hook(self, module, args):
+        if self._depth == 0:
+            if not self._batch_open:
+                self._begin_batch()
+            if self not in _active:
+                _active.append(self)
+        self._depth += 1
+
+    def _root_hook(self, owner, module, args, kwargs, output):
+        if sys.exc_info()[0] is not None:
+            # The root forward raised: the batch did not finish; nothing to record.
+            self._depth = max(0, self._depth - 1)
+            if self._depth == 0 and self in _active:
+                _active.remove(self)
+            return None
+        self._hook(owner, module, args, kwargs, output)
+        self._depth = max(0, self._depth - 1)
+        if self._depth == 0:
+            if self in _active:
+                _active.remove(self)
+            self._end_batch()
+        return None
+
+    def _hook(self, owner, module, args, kwargs, output):
+        if owner.off or self._closed:
+            return None
+        try:
+            xs, labels, kinds = _flatten_frame(args, kwargs, output, self.extras)
+            self._record(owner, xs, labels, kinds, "forward", True, True)
+        except Exception as exc:  # numguard's own failure must not kill the job
+            self._disable(owner, exc)
+        return None
+
+    def _record(self, owner, xs, labels, kinds, section, hf, weights):
+        if not self._batch_open:
+            self._begin_batch()
+        dtypes = [x.dtype for x in xs]
+        shapes = [x.shape for x in xs]
+        for x in xs:
+            if x.dtype not in _RECORDABLE or x.device != self._device or x.layout != torch.strided:
+                xs = self._sanitize(xs)
+                break
+        wflag = weights and owner.flag is not None
+        if wflag:
+            xs.append(owner.flag)
+        n = len(xs)
+        pos = self._pos
+        if n:
+            start = self._frame_starts[0] if self._frames else pos
+            if pos + n - start > self._ring.shape[0]:
+                self._grow(pos + n - start)
+            ops.record_(self._ring, self._state, xs, pos, owner.headroom)
+            self._pos = pos + n
+        bstart = None
+        if hf:
+            bstart = self._pending_start
+            self._pending_start = None
+        batch = self._batches_done if hf else self.batch_number
+        self._frames.append((owner, batch, pos, labels, kinds, dtypes, shapes, section, bstart,
+                             n, wflag, hf))
+        self._frame_starts.append(pos)
+
+    def _sanitize(self, xs):
+        """Make a frame's tensors recordable: complex -> real view, other devices -> copied to the
+        ring's device, sparse/meta/unsupported -> an empty stand-in (shown as having no values)."""
+        out = []
+        for x in xs:
+            if x.layout != torch.strided or x.device.type == "meta":
+                out.append(torch.empty(0, device=self._device))
+                continue
+            if x.is_complex():
+                x = torch.view_as_real(x)
+            if x.dtype not in _RECORDABLE:
+                x = x.detach().to(torch.float64)
+            if x.device != self._device:
+                x = x.detach().to(self._device, non_blocking=True)
+            out.append(x)
+        return out
+
+    def _grow(self, needed):
+        old = self._ring
+        size = old.shape[0]
+        new_size = size
+        while new_size < needed and new_size < _MAX_RING:
+            new_size *= 2
+        if new_size < needed:
+            # Beyond the cap: the oldest frames' records are overwritten; forget those frames.
+            limit = self._pos - _MAX_RING + (needed - (self._pos - (self._frame_starts[0] if self._frames else self._pos)))
+            cut = bisect.bisect_left(self._frame_starts, limit)
+            self._drop_frames(cut)
+            if new_size == size:
+                return
+        ring = torch.zeros((new_size, old.shape[1]), dtype=old.dtype, device=old.device)
+        lo = self._frame_starts[0] if self._frames else self._pos
+        lo = max(lo, self._pos - size)
+        if self._pos > lo:
+            positions = torch.arange(lo, self._pos, device=old.device)
+            ring.index_copy_(0, positions % new_size, old.index_select(0, positions % size))
+        self._ring = ring
+
+    def _drop_frames(self, cut):
+        if cut <= 0:
+            return
+        del self._frames[:cut]
+        del self._frame_starts[:cut]
+        self._floor = max(0, self._floor - cut)
+        self._last_check_frames = max(0, self._last_check_frames - cut)
+        if self._async_pending is not None:
+            n, p, b = self._async_pending
+            self._async_pending = (max(0, n - cut), p, b)
+        if self._frames:
+            oldest = self._frames[0][_F_BATCH]
+            for b in [b for b in self._wtables if b < oldest]:
+                del self._wtables[b]
+        else:
+            keep = self._batches_done
+            for b in [b for b in self._wtables if b < keep]:
+                del self._wtables[b]
+
+    def _disable(self, owner, exc):
+        owner.off = True
+        key = ("module", owner.index, owner.name)
+        if key not in self._warned:
+            self._warned.add(key)
+            name = owner.name or "(root module)"
+            warnings.warn(f"numguard: stopped watching module {name!r} ({owner.cls}) after an internal "
+                          f"error: {type(exc).__name__}: {exc}. Training goes on; the other modules are "
+                          "still watched.", InspectorWarning, stacklevel=3)
+
+    # ------------------------------------------------------------------------------------------
+    # Weights: one stats launch per batch
+
+    def _begin_batch(self):
+        self._batch_open = True
+        try:
+            self._record_weights()
+        except Exception as exc:
+            key = ("weights",)
+            if key not in self._warned:
+                self._warned.add(key)
+                warnings.warn(f"numguard: could not record weight stats ({type(exc).__name__}: {exc}); "
+                              "weights are not watched from now on", InspectorWarning, stacklevel=3)
+            for o in self._owners:
+                o.flag = None
+            self._wlayout = None
+
+    def _current_params(self):
+        params = []
+        ids = []
+        for owner in self._owners:
+            module = owner.ref()
+            if module is None:
+                ids.append(())
+                continue
+            own = []
+            seen = set()
+            for name, p in module._parameters.items():
+                if p is None or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                own.append((name, p))
+            params.append((owner, own))
+            ids.append(tuple(id(p) for _, p in own))
+        return params, tuple(ids)
+
+    def _record_weights(self):
+        params, ids = self._current_params()
+        if ids != self._wlayout_ids:
+            self._build_layout(params, ids)
+        layout = self._wlayout
+        if layout is None or not layout["tensors_n"]:
+            return
+        unique = [p.detach() for p in _unique_params(params)]
+        if unique[0].device != self._device:
+            # The model moved (e.g. .to(device) after watch()): start over on the new device.
+            self._move_to(unique[0].device)
+            self._build_layout(params, ids)
+            layout = self._wlayout
+        stats = ops.multi_tensor_stats(unique) if layout["one_device"] else torch.cat(
+            [ops.tensor_stats(p).to(self._device).view(1, -1) for p in unique])
+        self._wtables[self._batches_done] = (stats, layout)
+        bad = (stats[:, _report.NAN] + stats[:, _report.POS_INF] + stats[:, _report.NEG_INF]) > 0
+        per_ref = torch.where(bad, math.nan, 0.0).to(torch.float32).index_select(0, layout["wi"])
+        flags = layout["flags"]
+        flags.zero_()
+        flags.index_add_(0, layout["mi"], per_ref)
+        if self._w_limits_inv is not None:
+            over = (stats[:, _report.ABS_MAX] * self._w_limits_inv > self.headroom).any()
+            torch.maximum(self._state_buf[4:5], over.view(1).to(torch.int64), out=self._state_buf[4:5])
+
+    def _build_layout(self, params, ids):
+        unique = _unique_params(params)
+        index = {id(p): i for i, p in enumerate(unique)}
+        wi, mi = [], []
+        one_device = all(p.device == unique[0].device for p in unique)
+        owners_with = []
+        for owner, own in params:
+            names, widx = [], []
+            for name, p in own:
+                if id(p) not in index:
+                    continue
+                names.append(name)
+                widx.append(index[id(p)])
+            owner.wnames = tuple(names)
+            owner.widx = tuple(widx)
+            if widx:
+                owners_with.append(owner)
+                for w in widx:
+                    wi.append(w)
+                    mi.append(len(owners_with) - 1)
+        for owner, _ in params:
+            owner.flag = None
+        self._wlayout_ids = ids
+        if not unique:
+            self._wlayout = {"tensors_n": 0}
+            return
+        dev = unique[0].device
+        flags = torch.zeros(len(owners_with), dtype=torch.float32, device=dev)
+        for i, owner in enumerate(owners_with):
+            owner.flag = flags[i]
+        self._wlayout = {
+            "tensors_n": len(unique),
+            "one_device": one_device,
+            "wi": torch.tensor(wi, dtype=torch.int64).to(dev),
+            "mi": torch.tensor(mi, dtype=torch.int64).to(dev),
+            "flags": flags,
+            "dtypes": [str(p.dtype) for p in unique],
+            "shapes": [list(p.shape) for p in unique],
+        }
+        limits = [(1.0 / _LOW_PRECISION[p.dtype]) if p.dtype in _LOW_PRECISION else 0.0 for p in unique]
+        if self.headroom > 0 and any(limits):
+            self._w_limits_inv = torch.tensor(limits, dtype=torch.float64).to(dev)
+        else:
+            self._w_limits_inv = None
+
+    def _move_to(self, device):
+        self._device = device
+        self._ring, _ = ops.new_ring(self._ring.shape[0], device)
+        self._state_buf = torch.tensor([0, -1, 0, -1, 0, 0, 0, 0], dtype=torch.int64, device=device)
+        self._state = self._state_buf[0:4]
+        self._async_host = None
+        self._async_pending = None
+        self._drop_frames(len(self._frames))
+        self._wtables.clear()
+
+    # ------------------------------------------------------------------------------------------
+    # Batch end
+
+    def _end_batch(self):
+        batch = self._batches_done
+        self._batches_done += 1
+        self._batch_open = False
+        self._pending_start = self._batches_done
+        traced = batch in self.trace_batch_nums
+        if traced:
+            self._guarded(self._print_trace, batch)
+        if self._batches_done % self.check_every == 0:
+            self.check("batch end")
+        if traced:
+            # Like Transformers, a later report does not reach back into a traced batch.
+            self._floor = len(self._frames)
+        if self.abort_after_batch_num is not None and batch >= self.abort_after_batch_num:
+            done = self._batches_done
+            raise AbortAfterBatch(
+                f"numguard: aborting after batch_number={batch} ({done} batch{'es' if done != 1 else ''} run) "
+                f"as requested by abort_after_batch_num={self.abort_after_batch_num}")
+
+    def _guarded(self, fn, *args):
+        try:
+            return fn(*args)
+        except (NonFiniteError, AbortAfterBatch):
+            raise
+        except Exception as exc:
+            key = ("internal", fn.__name__)
+            if key not in self._warned:
+                self._warned.add(key)
+                warnings.warn(f"numguard: {fn.__name__.strip('_').replace('_', ' ')} failed "
+                              f"({type(exc).__name__}: {exc}); training goes on", InspectorWarning, stacklevel=3)
+            return None
+
+    def _flag_source(self):
+        if _dist_on():
+            try:
+                from .distributed import coordination
+            except ImportError:
+                return self._state_buf, False
+            flags = coordination.exchange_trip(self._state_buf[0])
+            return torch.cat([self._state_buf, flags.to(self._device)]), True
+        return self._state_buf, False
+
+    def _check_now_sync(self, where):
+        src, dist_flags = self._flag_source()
+        values = src.tolist()  # the one device->host read of a checked batch
+        boundary = len(self._frames)
+        self._handle(values, dist_flags, boundary, self._pos, found_at=self.batch_number, late=False)
+
+    def _check_async(self, where):
+        pending = self._async_pending
+        if pending is not None:
+            if self._async_event is not None and not self._async_event.query():
+                self._async_event.synchronize()
+            values = [int(v) for v in self._async_np]
+            n, pos, batch = pending
+            self._async_pending = None
+            self._handle(values, len(values) > 8, n, pos, found_at=self.batch_number, late=True)
+            if self._closed:
+                return
+        src, dist_flags = self._flag_source()
+        if self._async_host is None or self._async_host.numel() != src.numel():
+            pin = src.device.type == "cuda"
+            self._async_host = torch.empty(src.numel(), dtype=torch.int64, pin_memory=pin)
+            self._async_np = self._async_host.numpy()
+            self._async_event = torch.cuda.Event() if pin else None
+        self._async_host.copy_(src, non_blocking=True)
+        if self._async_event is not None:
+            self._async_event.record()
+        self._async_pending = (len(self._frames), self._pos, self.batch_number)
+
+    def _handle(self, values, dist_flags, boundary, boundary_pos, found_at, late):
+        tripped = values[0] != 0
+        headroom_hit = values[2] != 0 or values[4] != 0
+        others = values[8:] if dist_flags else []
+        any_trip = tripped or any(v != 0 for v in others)
+        host_ring = None
+        if headroom_hit:
+            host_ring = self._ring.cpu().numpy()
+            self._guarded(self._handle_headroom, host_ring, boundary)
+        if any_trip:
+            if host_ring is None and tripped:
+                host_ring = self._ring.cpu().numpy()
+            self._handle_trip(values, others, host_ring, boundary, found_at, late)
+        else:
+            self._confirm(boundary)
+
+    def _confirm(self, boundary):
+        """Frames before `boundary` are healthy: keep only the last ones as report context."""
+        self._last_check_frames = boundary
+        need = self.max_frames_to_save
+        j = boundary
+        count = 0
+        while j > self._floor and count < need:
+            j -= 1
+            f = self._frames[j]
+            if f[_F_HF]:
+                count += 1
+        self._drop_frames(j)
+
+    # ------------------------------------------------------------------------------------------
+    # Trips
+
+    def _frame_records(self, f, host_ring, tables, valid_end):
+        """Lines of a frame as report dict entries (weights first, like Transformers)."""
+        owner = f[_F_OWNER]
+        labels, kinds, dtypes, shapes, records, extra = [], [], [], [], [], []
+        if f[_F_WFLAG] and owner.widx:
+            table = tables.get(f[_F_BATCH])
+            for name, w in zip(owner.wnames, owner.widx):
+                labels.append(name)
+                kinds.append(_report.KIND_TENSOR)
+                extra.append(False)
+                if table is not None and w < len(table[0]):
+                    records.append([float(v) for v in table[0][w]])
+                    dtypes.append(table[1]["dtypes"][w])
+                    shapes.append(table[1]["shapes"][w])
+                else:
+                    records.append(None)
+                    dtypes.append(None)
+                    shapes.append(None)
+        R = host_ring.shape[0]
+        t = 0
+        start = f[_F_START]
+        for label, kind in zip(f[_F_LABELS], f[_F_KINDS]):
+            base = kind & 3
+            labels.append(label)
+            kinds.append(_KIND_NAMES[base])
+            extra.append(bool(kind & _EXTRA) or not f[_F_HF])
+            if base == _T:
+                p = start + t
+                if p < valid_end - R:
+                    records.append(None)
+                else:
+                    records.append([float(v) for v in host_ring[p % R]])
+                dtypes.append(str(f[_F_DTYPES][t]))
+                shapes.append(list(f[_F_SHAPES][t]))
+                t += 1
+            else:
+                records.append(None)
+                dtypes.append(None)
+                shapes.append(None)
+        return {"name": owner.name, "class": owner.cls, "section": f[_F_SECTION], "batch": f[_F_BATCH],
+                "batch_start": f[_F_BSTART], "hf": bool(f[_F_HF]), "labels": labels, "kinds": kinds,
+                "extra": extra, "dtypes": dtypes, "shapes": shapes, "records": records}
+
+    def _host_tables(self, batches):
+        out = {}
+        for b in batches:
+            entry = self._wtables.get(b)
+            if entry is not None:
+                out[b] = (entry[0].cpu().numpy(), entry[1])
+        return out
+
+    def _find_offender(self, trip_pos):
+        i = bisect.bisect_right(self._frame_starts, trip_pos) - 1
+        while i >= 0:
+            f = self._frames[i]
+            if f[_F_START] <= trip_pos < f[_F_START] + f[_F_NREC]:
+                return i
+            if f[_F_START] + f[_F_NREC] <= trip_pos:
+                return None
+            i -= 1
+        return None
+
+    def build_report(self, offender: int, host_ring, found_at=None, late=False) -> dict:
+        """The report dictionary (numguard.dump's schema) for the frame at index `offender`."""
+        frames = self._frames
+        off = frames[offender]
+        section = off[_F_SECTION]
+        chosen = set()
+        floor = min(self._floor, offender)
+        for want in {"forward", section}:
+            count = 0
+            j = offender
+            while j >= floor and count < self.max_frames_to_save:
+                f = frames[j]
+                if f[_F_SECTION] == want:
+                    if want != "forward" or f[_F_HF]:
+                        count += 1
+                    chosen.add(j)
+                j -= 1
+        lo = min(chosen) if chosen else offender
+        tables = self._host_tables({frames[j][_F_BATCH] for j in range(lo, offender + 1)})
+        valid_end = off[_F_START] + off[_F_NREC]  # the ring froze after the offending frame
+        out_frames = []
+        for j in range(lo, offender + 1):
+            fr = self._frame_records(frames[j], host_ring, tables, valid_end)
+            fr["in_report"] = j in chosen
+            fr["offender"] = j == offender
+            out_frames.append(fr)
+        offender_frame = out_frames[-1]
+        bad = [lab for lab, rec in zip(offender_frame["labels"], offender_frame["records"])
+               if _report.is_nonfinite(rec)]
+        batch = off[_F_BATCH]
+        hf_batch = batch + (1 if (off[_F_OWNER].is_root and section == "forward" and off[_F_HF]) else 0)
+        return {
+            "format": "numguard-report", "version": 1,
+            "batch_number": hf_batch, "batch": batch, "found_at_batch": found_at,
+            "check": self.check_mode, "check_every": self.check_every,
+            "rank": _rank(), "ranks": [],
+            "module": off[_F_OWNER].name, "class": off[_F_OWNER].cls, "labels": bad, "section": section,
+            "max_frames_to_save": self.max_frames_to_save, "headroom": self.headroom,
+            "backend": ops.backend(), "frames": out_frames,
+        }
+
+    def _handle_trip(self, values, others, host_ring, boundary, found_at, late):
+        report = None
+        module = None
+        labels = []
+        batch = None
+        if values[0] != 0:
+            offender = self._find_offender(values[1])
+            if offender is not None:
+                report = self.build_report(offender, host_ring, found_at, late)
+                module = report["module"]
+                labels = report["labels"]
+                batch = report["batch"]
+            else:
+                module = "(frames no longer in the ring)"
+        ranks = []
+        if others:
+            try:
+                from .distributed import coordination
+                ranks = coordination.gather_trip_details(module if values[0] != 0 else None,
+                                                         batch if batch is not None else self.batch_number,
+                                                         tripped=values[0] != 0)
+            except ImportError:
+                ranks = []
+        if report is not None:
+            report["ranks"] = [list(r) for r in ranks]
+        self.last_report = report
+        self._reset_after_trip()
+        rank = _rank()
+        if report is not None:
+            text = _report.render(report, self.extras)
+        else:
+            text = ""
+        self.trips += 1
+        if text:
+            self._emit(text)
+        if report is not None:
+            msg = (f"numguard: inf/nan detected during batch_number={report['batch']} in "
+                   f"{module if module else '(root module)'} ({report['class']}) "
+                   f"[{', '.join(labels)}]; the report above shows the frames that led to it")
+        else:
+            tripping = [r for r, m in ranks] or [i for i, v in enumerate(others) if v]
+            names = ", ".join(f"rank {r} ({m if m else '(root module)'})" if m is not None else f"rank {r}"
+                              for r, m in ranks) or ", ".join(f"rank {r}" for r in tripping)
+            msg = (f"numguard: inf/nan detected on {names}; that rank printed the report "
+                   "(this rank's values were finite)")
+        if self.on_trip == "raise":
+            raise NonFiniteError(msg, report=text, batch_number=batch if batch is not None else self.batch_number,
+                                 module=module if values[0] != 0 else (ranks[0][1] if ranks else None),
+                                 labels=labels, rank=rank, ranks=[r for r, _ in ranks])
+        if self.on_trip == "dump" and report is not None:
+            from . import dump as _dump
+            try:
+                path = _dump.write(report, self.dump_dir, rank=rank)
+                msg += f"; report written to {path}"
+            except OSError as exc:
+                msg += f"; could not write the dump file ({exc}): fix dump_dir={self.dump_dir!r}"
+        warnings.warn(msg, NonFiniteWarning, stacklevel=4)
+
+    def _reset_after_trip(self):
+        ops.reset_state(self._state)
+        self._state_buf[4].fill_(0)
+        # Frames recorded after the trip were not written (freeze on trip): forget them all.
+        self._drop_frames(len(self._frames))
+        self._floor = 0
+        self._last_check_frames = 0
+
+    def _emit(self, text):
+        target = self.report_to
+        if target is None:
+            return
+        if target is _STDOUT:
+            print(text, file=sys.stdout, flush=True)
+        elif callable(target) and not hasattr(target, "write"):
+            target(text)
+        else:
+            print(text, file=target, flush=True)
+
+    # ------------------------------------------------------------------------------------------
+    # Headroom
+
+    def _handle_headroom(self, host_ring, boundary):
+        R = host_ring.shape[0]
+        limit = self.headroom
+        for f in self._frames[:boundary]:
+            owner = f[_F_OWNER]
+            if owner.headroom == 0.0:
+                continue
+            t = 0
+            for label, kind in zip(f[_F_LABELS], f[_F_KINDS]):
+                if kind & 3 != _T:
+                    continue
+                dtype = f[_F_DTYPES][t]
+                p = f[_F_START] + t
+                t += 1
+                dmax = _LOW_PRECISION.get(dtype)
+                if dmax is None or p < self._pos - R:
+                    continue
+                value = float(host_ring[p % R][_report.ABS_MAX])
+                if value > limit * dmax:
+                    self._warn_headroom(owner, label, value, dtype, dmax)
+                    break
+        if self._w_limits_inv is not None:
+            tables = self._host_tables(list(self._wtables))
+            limits = self._w_limits_inv.cpu().tolist()
+            for owner in self._owners:
+                for name, w in zip(owner.wnames, owner.widx):
+                    if w >= len(limits) or limits[w] == 0.0:
+                        continue
+                    for stats, layout in tables.values():
+                        if w < len(stats) and stats[w][_report.ABS_MAX] * limits[w] > limit:
+                            dtype = getattr(torch, layout["dtypes"][w].replace("torch.", ""))
+                            self._warn_headroom(owner, name, float(stats[w][_report.ABS_MAX]), dtype,
+                                                _LOW_PRECISION[dtype], weight=True)
+                            limits[w] = 0.0
+                            break
+            self._w_limits_inv = torch.tensor(limits, dtype=torch.float64).to(self._device) if any(limits) else None
+        self._state[2].fill_(0)
+        self._state[3].fill_(-1)
+        self._state_buf[4].fill_(0)
+
+    def _warn_headroom(self, owner, label, value, dtype, dmax, weight=False):
+        if not weight:
+            owner.headroom = 0.0  # warn once per module: this module no longer raises the flag
+        key = ("headroom", id(owner), label if weight else None)
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        name = owner.name or "(root module)"
+        warnings.warn(f"numguard: {name} ({owner.cls}) {label} reached abs max {value:.4g}, "
+                      f"{value / dmax:.0%} of {str(dtype).replace('torch.', '')}'s largest finite value "
+                      f"{dmax:.6g} (headroom={self.headroom}); it may overflow soon: consider loss scaling, "
+                      "a wider dtype for this module, or smaller activations", HeadroomWarning, stacklevel=4)
+
+    # ------------------------------------------------------------------------------------------
+    # Trace mode
+
+    def _print_trace(self, batch):
+        first = None
+        for i in range(len(self._frames) - 1, self._floor - 1, -1):
+            if self._frames[i][_F_BATCH] != batch:
+                break
+            first = i
+        if first is None:
+            return
+        host_ring = self._ring.cpu().numpy()
+        tables = self._host_tables({batch})
+        frames = [self._frame_records(f, host_ring, tables, self._pos) for f in self._frames[first:]
+                  if f[_F_SECTION] == "forward"]
+        self._emit(_report.render_trace(frames, self.extras)[:-1])
+
+    # ------------------------------------------------------------------------------------------
+    # detect_overflow inside a watched forward
+
+    def _record_detect(self, var, ctx, module):
+        name = self._module_names.get(module) if module is not None else None
+        if name is None:
+            owner = self._root_owner
+        else:
+            owner = next((o for o in self._owners if o.name == name), self._root_owner)
+        self._record(owner, [var], [str(ctx)], [_T | _EXTRA], "forward", False, False)
+
+
+def watch(model: torch.nn.Module, max_frames_to_save: int = 21, trace_batch_nums=(), abort_after_batch_num=None,
+          **options) -> Inspector:
+    """Watch every module of `model`; returns an Inspector (a context manager). See Inspector
+    for the options (backward, check, check_every, on_trip, dump_dir, headroom, report_to,
+    extras)."""
+    return Inspector(model, max_frames_to_save, trace_batch_nums, abort_after_batch_num, **options)
+
+
+class DebugUnderflowOverflow(Inspector):
+    """Drop-in for ``transformers.debug_utils.DebugUnderflowOverflow`` with the same signature:
+    the same report lines, from numguard's sync-free device-side recording."""
+
+    def __init__(self, model, max_frames_to_save=21, trace_batch_nums=None, abort_after_batch_num=None):
+        super().__init__(model, max_frames_to_save, trace_batch_nums or [], abort_after_batch_num)
+
+
+def _current_module(inspector):
+    frame = sys._getframe(2)
+    names = inspector._module_names
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, torch.nn.Module) and candidate in names:
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def detect_overflow(var, ctx) -> bool:
+    """Inside a watched forward: record `var` as a line labelled `ctx` of the module whose forward
+    is running (no host sync; returns False, the check happens at batch end). Outside: like
+    Transformers' helper, print "<ctx> has nans" / "<ctx> has infs" and return whether either was
+    found."""
+    if _active and isinstance(var, torch.Tensor):
+        inspector = _active[-1]
+        try:
+            inspector._record_detect(var, ctx, _current_module(inspector))
+            return False
+        except Exception as exc:
+            warnings.warn(f"numguard.detect_overflow: could not record {ctx!r} ({exc}); checking it now",
+                          InspectorWarning, stacklevel=2)
+    stats = ops.tensor_stats(var).tolist()
+    detected = False
+    if stats[_report.NAN] > 0:
+        detected = True
+        print(f"{ctx} has nans")
+    if stats[_report.POS_INF] + stats[_report.NEG_INF] > 0:
+        detected = True
+        print(f"{ctx} has infs")
+    return detected
