@@ -1,0 +1,313 @@
+"""Backward watching: the gradients flowing through each watched module, and the parameter
+gradients right before the optimizer applies them.
+
+``numguard.watch(model, backward=True)`` (or ``NUMGUARD_BACKWARD=1``) creates a
+:class:`BackwardWatcher` next to the inspector:
+
+* Each watched module's forward hook puts a gradient tap on the tensors it received and returned
+  (those that require grad). A tensor gets one tap however many modules see it; when autograd
+  delivers its gradient the tap records ONE backward frame: labelled ``grad_input[i]`` (or
+  ``grad_input[name]`` for keyword inputs) of the innermost module that consumed the tensor, which
+  is the module whose backward produced that gradient, else ``grad_output[i]`` of the innermost
+  module that returned it. Recording is the inspector's ``record_frame``: no host sync.
+* Right before an optimizer that holds the model's parameters steps (a global optimizer step
+  pre-hook), every parameter gradient is recorded in one multi-tensor launch (labels
+  ``<parameter name>.grad``), and the inspector checks its flag, so that a NaN/Inf gradient raises
+  before the optimizer writes any weight.
+* ``torch.amp.GradScaler``: a step the scaler skips because the scaled gradients overflowed is
+  normal fp16 training, not a trip. numguard sees that the optimizer did not step inside
+  ``scaler.step`` and, with ``scaler_skips="count"`` (default), counts it and forgets the
+  overflowing gradient records; with ``scaler_skips="trip"`` the skip is a trip.
+
+Only gradients computed while a watched forward ran are tapped; forwards under ``torch.compile``
+are not tapped (parameter gradients are still checked before every step).
+"""
+import sys
+import threading
+import weakref
+
+import torch
+
+__all__ = ["BackwardWatcher", "SCALER_SKIP_ACTIONS", "attach"]
+
+SCALER_SKIP_ACTIONS = ("count", "trip")
+_INPUT, _OUTPUT = 0, 1
+
+# Watchers alive in this process; the global optimizer hook and the GradScaler wrapper serve all.
+_watchers = weakref.WeakSet()
+_lock = threading.Lock()
+_optimizer_hook = None
+_original_scaler_step = None
+_steps_taken = 0  # optimizer steps that actually ran (the pre-hook fired), process-wide
+
+
+class _GradTap:
+    """The one gradient hook of a tensor: who consumed/returned it, recorded when grad arrives."""
+
+    __slots__ = ("watcher", "entries")
+
+    def __init__(self, watcher):
+        self.watcher = watcher
+        self.entries = []  # (kind, module name, class name, label), in forward order
+
+    def add(self, entry):
+        if entry not in self.entries:
+            self.entries.append(entry)
+
+    def __call__(self, grad):
+        watcher = self.watcher
+        if watcher.closed or grad is None:
+            return None
+        chosen = None
+        for entry in self.entries:
+            if entry[0] == _INPUT:
+                chosen = entry
+                break
+        if chosen is None:
+            chosen = self.entries[0]
+        watcher._record(chosen[1], chosen[2], chosen[3], grad)
+        return None
+
+
+def _tensors(value, prefix):
+    """(label, tensor) for tensors in value: a tensor, or lists/tuples/dicts of them, any depth."""
+    if isinstance(value, torch.Tensor):
+        return [(prefix, value)]
+    found = []
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            found.extend(_tensors(item, f"{prefix}[{i}]"))
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found.extend(_tensors(item, f"{prefix}[{key}]"))
+    return found
+
+
+class BackwardWatcher:
+    """Records gradients of a watched model into its inspector's ring.
+
+    Args:
+        inspector: the :class:`numguard.inspector.Inspector` watching ``model``; used through
+            ``record_frame(..., section="backward")``, ``check(where=...)`` and ``module_names``.
+        model: the root module.
+        scaler_skips: "count" (default): a step that GradScaler skips for inf/NaN gradients is
+            counted (``scaler_skipped_steps``) and is not a trip; "trip": it is a trip.
+    """
+
+    def __init__(self, inspector, model, scaler_skips="count"):
+        if model is None:
+            raise ValueError("numguard.backward: the watched model is gone")
+        if scaler_skips not in SCALER_SKIP_ACTIONS:
+            raise ValueError(f"scaler_skips={scaler_skips!r} is not valid: use one of "
+                             f"{', '.join(SCALER_SKIP_ACTIONS)}")
+        self.inspector = inspector
+        self.scaler_skips = scaler_skips
+        self.scaler_skipped_steps = 0
+        self.closed = False
+        self.recorded_since_check = False
+        self.steps_seen = 0              # optimizer steps (of this model's optimizers) seen
+        self._step_start = None          # the inspector's record position at this step's 1st gradient
+        self._model_ref = weakref.ref(model)
+        self._root_name = inspector.module_names.get(model, "")
+        self._root_class = type(model).__name__
+        self._param_names = {}  # id(param) -> qualified name
+        for name, param in model.named_parameters():
+            self._param_names.setdefault(id(param), name)
+        self._params_of = weakref.WeakKeyDictionary()  # optimizer -> (version, [(label, param)])
+        self._handles = []
+        for module, name in list(inspector.module_names.items()):
+            hook = self._make_forward_hook(name, type(module).__name__)
+            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        self._original_check = inspector.check
+        inspector.check = self._check
+        _register(self)
+
+    # -- activation gradients ------------------------------------------------------------------
+    def _make_forward_hook(self, name, class_name):
+        is_compiling = torch.compiler.is_compiling
+
+        def forward_hook(module, args, kwargs, output):
+            if self.closed or not torch.is_grad_enabled() or is_compiling():
+                return None
+            try:
+                for label, tensor in _tensors(args, "grad_input") + _tensors(kwargs, "grad_input"):
+                    if tensor.requires_grad and not tensor.is_leaf:
+                        self._tap(tensor, (_INPUT, name, class_name, label))
+                outputs = _tensors(output, "grad_output")
+                if len(outputs) == 1 and outputs[0][0] == "grad_output":
+                    outputs = [("grad_output[0]", outputs[0][1])]
+                for label, tensor in outputs:
+                    if tensor.requires_grad:
+                        self._tap(tensor, (_OUTPUT, name, class_name, label))
+            except Exception as exc:  # numguard's failure must not kill the job
+                self._give_up(f"tapping the gradients of {name or 'the root'} ({class_name})", exc)
+            return None
+
+        return forward_hook
+
+    def _tap(self, tensor, entry):
+        tap = getattr(tensor, "_numguard_grad_tap", None)
+        if tap is None or tap.watcher is not self:
+            tap = _GradTap(self)
+            tensor.register_hook(tap)
+            tensor._numguard_grad_tap = tap
+        tap.add(entry)
+
+    def _record(self, name, class_name, label, grad):
+        if self._step_start is None:
+            self._step_start = getattr(self.inspector, "_pos", None)
+        try:
+            self.inspector.record_frame(name, class_name, [label], [grad], section="backward")
+            self.recorded_since_check = True
+        except Exception as exc:  # numguard's failure must not kill the job
+            self._give_up(f"recording the gradient {label} of {name or 'the root'}", exc)
+
+    def _give_up(self, what, exc):
+        import warnings
+
+        warnings.warn(f"numguard: backward watching stopped: {what} failed "
+                      f"({type(exc).__name__}: {exc}); forward watching goes on", RuntimeWarning,
+                      stacklevel=3)
+        self.close()
+
+    # -- parameter gradients, before the optimizer steps ---------------------------------------
+    def _params_in(self, optimizer):
+        version = sum(len(group["params"]) for group in optimizer.param_groups)
+        cached = self._params_of.get(optimizer)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        params = []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                name = self._param_names.get(id(param))
+                if name is not None:
+                    params.append((f"{name}.grad", param))
+        self._params_of[optimizer] = (version, params)
+        return params
+
+    def before_optimizer_step(self, optimizer):
+        """Record the parameter gradients this optimizer is about to apply, then check: a trip
+        raises here, before any weight is written."""
+        if self.closed:
+            return
+        params = self._params_in(optimizer)
+        if not params and not self.recorded_since_check:
+            return
+        labels, grads = [], []
+        for label, param in params:
+            grad = param.grad
+            if grad is not None and grad.layout == torch.strided:
+                labels.append(label)
+                grads.append(grad)
+        if grads:
+            try:
+                self.inspector.record_frame(self._root_name, self._root_class, labels, grads,
+                                            section="backward")
+            except Exception as exc:  # numguard's failure must not kill the job
+                self._give_up("recording the parameter gradients", exc)
+                return
+        self.steps_seen += 1
+        self.recorded_since_check = False
+        self._step_start = None
+        if self.steps_seen % getattr(self.inspector, "check_every", 1) == 0:
+            self._original_check(where="before optimizer step")
+
+    def on_scaler_skip(self, scaler, optimizer):
+        """GradScaler skipped ``optimizer``'s step: its (scaled) gradients held inf/NaN."""
+        if self.closed or not self._params_in(optimizer):
+            return
+        self.scaler_skipped_steps += 1
+        start, self._step_start = self._step_start, None
+        self.recorded_since_check = False
+        if self.scaler_skips == "trip":
+            self._original_check(where="GradScaler skipped the optimizer step")
+            return
+        # The overflowing gradient records of this step are the scaler's business, not a trip. A
+        # trip recorded before them (in the forward) still is one. Skips are rare and the scaler
+        # has just waited for the device itself, so one read of the state costs nothing here.
+        state = getattr(self.inspector, "_state", None)
+        reset = getattr(self.inspector, "_reset_after_trip", None)
+        if state is None or reset is None or start is None:
+            return
+        tripped, first = state[:2].tolist()
+        if not tripped:
+            return
+        if first < start:
+            self._original_check(where="before optimizer step (GradScaler skipped it)")
+        else:
+            reset()
+
+    # The inspector's batch-end check, deferred to the optimizer step once this model is seen
+    # training (NOTE: [one read per step]): the step's check reads the same flag, which then
+    # covers the forward, the backward and the parameter gradients with one device->host read.
+    def _check(self, where="batch end"):
+        if (where == "batch end" and self.steps_seen and not self.closed
+                and torch.is_grad_enabled() and sys._getframe(1).f_code.co_name == "_end_batch"):
+            return None
+        return self._original_check(where=where)
+
+    def close(self):
+        """Remove every hook this watcher added (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self.inspector.__dict__.get("check") == self._check:
+            del self.inspector.check
+        _unregister(self)
+
+
+def attach(inspector, scaler_skips=None):
+    """Start watching the gradients of ``inspector.model`` (``watch(..., backward=True)``).
+
+    ``scaler_skips`` defaults to the inspector's ``scaler_skips`` attribute, else "count"."""
+    if scaler_skips is None:
+        scaler_skips = getattr(inspector, "scaler_skips", "count")
+    return BackwardWatcher(inspector, inspector.model, scaler_skips=scaler_skips)
+
+
+# -- process-wide hooks -------------------------------------------------------------------------
+def _optimizer_pre_hook(optimizer, args, kwargs):
+    global _steps_taken
+    _steps_taken += 1
+    for watcher in list(_watchers):
+        watcher.before_optimizer_step(optimizer)
+    return None
+
+
+def _scaler_step(scaler, optimizer, *args, **kwargs):
+    before = _steps_taken
+    result = _original_scaler_step(scaler, optimizer, *args, **kwargs)
+    if _steps_taken == before and scaler.is_enabled():
+        for watcher in list(_watchers):
+            watcher.on_scaler_skip(scaler, optimizer)
+    return result
+
+
+def _register(watcher):
+    global _optimizer_hook, _original_scaler_step
+    with _lock:
+        _watchers.add(watcher)
+        if _optimizer_hook is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            _optimizer_hook = register_optimizer_step_pre_hook(_optimizer_pre_hook)
+        scaler_class = getattr(getattr(torch, "amp", None), "GradScaler", None)
+        if scaler_class is not None and _original_scaler_step is None:
+            _original_scaler_step = scaler_class.step
+            scaler_class.step = _scaler_step
+
+
+def _unregister(watcher):
+    global _optimizer_hook, _original_scaler_step
+    with _lock:
+        _watchers.discard(watcher)
+        if len(_watchers) == 0:
+            if _optimizer_hook is not None:
+                _optimizer_hook.remove()
+                _optimizer_hook = None
+            if _original_scaler_step is not None:
+                torch.amp.GradScaler.step = _original_scaler_step
+                _original_scaler_step = None

@@ -1,0 +1,267 @@
+"""watch(model, backward=True): gradient frames, parameter gradients checked before the optimizer
+steps, GradScaler skips, host syncs, clean-up."""
+import pytest
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import numguard
+from numguard import backward as ng_backward
+
+
+class BadGradient(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by `value` (NaN or Inf)."""
+
+    @staticmethod
+    def forward(ctx, x, value):
+        ctx.value = value
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.value, None
+
+
+class Gate(nn.Module):
+    """Passes its input through; when `value` is set its backward alone produces that value."""
+
+    def __init__(self):
+        super().__init__()
+        self.value = None
+
+    def forward(self, x):
+        return x if self.value is None else BadGradient.apply(x, self.value)
+
+
+class ScaledByBadWeight(nn.Module):
+    """x * w where only w's gradient goes bad (x does not require grad)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+        self.value = None
+
+    def forward(self, x):
+        w = self.weight if self.value is None else BadGradient.apply(self.weight, self.value)
+        return x * w
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), Gate(), nn.Linear(8, 2))
+
+
+def snapshot(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def quiet(**kw):
+    kw.setdefault("report_to", None)
+    return kw
+
+
+def test_backward_only_nan_is_named_and_raised_before_the_step():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+    with numguard.watch(model, **quiet(backward=True)):
+        for step in range(3):
+            model[2].value = float("nan") if step == 1 else None
+            loss = model(x).pow(2).sum()
+            opt.zero_grad()
+            loss.backward()
+            before = snapshot(model)
+            if step < 1:
+                opt.step()
+                continue
+            with pytest.raises(numguard.NonFiniteError) as info:
+                opt.step()
+            break
+    err = info.value
+    assert err.module == "2"                      # the Gate, whose backward made the NaN
+    assert err.labels == ["grad_input[0]"]
+    assert err.batch_number == 1
+    assert "backward frames" in err.report
+    assert "grad_input[0]" in err.report and "grad_output[0]" in err.report
+    # Raised before the optimizer wrote anything: the weights are those of before the step.
+    after = snapshot(model)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert all(torch.isfinite(p).all() for p in after)
+
+
+def test_parameter_gradient_is_named_with_its_parameter():
+    torch.manual_seed(0)
+    model = nn.Sequential(ScaledByBadWeight(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+    model[0].value = float("inf")
+    with numguard.watch(model, **quiet(backward=True)):
+        loss = model(x).sum()
+        loss.backward()
+        before = snapshot(model)
+        with pytest.raises(numguard.NonFiniteError) as info:
+            opt.step()
+    assert "0.weight.grad" in info.value.labels
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(model)))
+
+
+def test_forward_only_watch_ignores_gradients():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model[2].value = float("nan")
+    with numguard.watch(model, **quiet()):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()  # backward=False: gradients are not watched
+    assert not torch.isfinite(model[0].weight).all()
+
+
+def _scaler_loop(model, scaler, opt, steps, bad_step, value):
+    x = torch.randn(3, 4)
+    weights = []
+    for step in range(steps):
+        model[2].value = value if step == bad_step else None
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        before = snapshot(model)
+        scaler.step(opt)
+        scaler.update()
+        weights.append((before, snapshot(model)))
+    return weights
+
+
+def test_gradscaler_skip_is_counted_not_a_trip():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with numguard.watch(model, **quiet(backward=True)) as insp:
+        weights = _scaler_loop(model, scaler, opt, 4, 1, float("inf"))
+        watcher = insp._backward_watch
+        assert watcher.scaler_skipped_steps == 1
+    before, after = weights[1]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))        # the skipped step
+    before, after = weights[2]
+    assert not all(torch.equal(a, b) for a, b in zip(before, after))    # later steps apply
+    assert scaler.get_scale() == 512.0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_gradscaler_skip_can_be_a_trip():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with numguard.watch(model, **quiet(backward=True)) as insp:
+        insp._backward_watch.scaler_skips = "trip"
+        with pytest.raises(numguard.NonFiniteError) as info:
+            _scaler_loop(model, scaler, opt, 3, 1, float("inf"))
+    assert info.value.module == "2"
+
+
+def test_gradscaler_does_not_hide_a_forward_nan():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    x = torch.randn(3, 4)
+    with numguard.watch(model, **quiet(backward=True)):
+        for step in range(3):
+            if step == 2:
+                with torch.no_grad():
+                    model[3].weight[0, 0] = float("nan")
+            try:
+                loss = model(x).pow(2).mean()
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            except numguard.NonFiniteError as exc:
+                error = exc
+                break
+        else:
+            pytest.fail("the forward NaN was not reported")
+    assert error.module == "3" and error.batch_number == 2
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts host syncs: aten._local_scalar_dense in the dispatcher, and the Tensor methods that
+    read device values (item, tolist, __bool__, __float__, __int__, cpu, numpy)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class MethodSyncCounter(TorchFunctionMode):
+    METHODS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
+               torch.Tensor.__int__, torch.Tensor.cpu, torch.Tensor.numpy}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.METHODS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_healthy_backward_steps_read_the_device_at_most_once_per_step():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # SGD reads nothing back itself
+    x = torch.randn(3, 4)
+
+    def step():
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    with numguard.watch(model, **quiet(backward=True)):
+        step()  # the first batch also checks at its end (no optimizer seen yet)
+        dispatch, methods = SyncCounter(), MethodSyncCounter()
+        steps = 4
+        with dispatch, methods:
+            for _ in range(steps):
+                step()
+    assert dispatch.count + methods.count <= steps, (dispatch.count, methods.count)
+    assert methods.count >= steps  # the one read per step is there (a real check happens)
+
+
+def test_close_removes_every_hook():
+    model = make_model()
+    counts = [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
+    original_step = torch.amp.GradScaler.step
+    insp = numguard.watch(model, backward=True, report_to=None)
+    assert torch.amp.GradScaler.step is not original_step
+    insp.close()
+    assert [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()] == counts
+    assert torch.amp.GradScaler.step is original_step
+    assert "check" not in vars(insp)
+    assert len(ng_backward._watchers) == 0
+
+
+def test_gradient_taps_do_not_accumulate_on_reused_tensors():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(3, 4, requires_grad=True)  # a leaf fed to the model every step
+    with numguard.watch(model, **quiet(backward=True)):
+        for _ in range(3):
+            loss = model(x).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    tap = getattr(x, "_numguard_grad_tap", None)
+    assert tap is None or len(tap.entries) <= 2
+
+
+def test_invalid_scaler_skips():
+    model = make_model()
+    insp = numguard.watch(model, report_to=None)
+    with pytest.raises(ValueError, match="scaler_skips='sometimes'"):
+        ng_backward.BackwardWatcher(insp, model, scaler_skips="sometimes")
+    insp.close()
