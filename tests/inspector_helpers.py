@@ -1,0 +1,156 @@
+"""Shared helpers for the inspector tests: tiny random-init Transformers models, a host-sync counter,
+and Transformers' DebugUnderflowOverflow run side by side with numguard's."""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import numguard
+
+NUMGUARD_DIR = os.path.dirname(os.path.abspath(numguard.__file__))
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_gpt2(dtype=torch.float32, layers=2, seed=0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = GPT2Config(vocab_size=64, n_embd=16, n_layer=layers, n_head=2, n_positions=32,
+                         bos_token_id=0, eos_token_id=0)
+        model = GPT2LMHeadModel(cfg)
+    return model.to(dtype)
+
+
+def tiny_t5(dtype=torch.float32, seed=0):
+    from transformers import T5Config, T5ForConditionalGeneration
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_decoder_layers=1,
+                       num_heads=2, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+        model = T5ForConditionalGeneration(cfg)
+    return model.to(dtype)
+
+
+def overflow_value(dtype):
+    return 30000.0 if dtype == torch.float16 else 3e38
+
+
+def make_overflow(weight, dtype):
+    """Fill `weight` with +-v (v close to the dtype's max) so the layer's output overflows."""
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        signs = torch.randint(0, 2, weight.shape, generator=g).float() * 2 - 1
+        weight.copy_((signs * overflow_value(dtype)).to(weight.dtype))
+
+
+def clear_hooks(model):
+    for m in model.modules():
+        m._forward_hooks.clear()
+        m._forward_pre_hooks.clear()
+        m._forward_hooks_with_kwargs.clear()
+        m._forward_hooks_always_called.clear()
+
+
+def run_batches(model, make_detector, batches, seed=1):
+    """Run `batches` (callables taking the model) under a detector; return (stdout, exception)."""
+    buf = io.StringIO()
+    torch.manual_seed(seed)
+    detector = make_detector(model)
+    err = None
+    with contextlib.redirect_stdout(buf), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            for batch in batches:
+                batch(model)
+        except ValueError as exc:
+            err = exc
+    return buf.getvalue(), err, detector
+
+
+def hf_vs_numguard(model, batches, numguard_kwargs=None, hf_kwargs=None):
+    """Run the same batches under Transformers' DebugUnderflowOverflow and numguard's watch
+    (extras off: Transformers' lines only), each on a fresh copy of `model`."""
+    import copy
+    from transformers.debug_utils import DebugUnderflowOverflow as HF
+    original = model
+    model = copy.deepcopy(original)
+    hf_out, hf_err, _ = run_batches(model, lambda m: HF(m, **(hf_kwargs or {})), batches)
+    model = copy.deepcopy(original)
+    kw = dict(extras=False)
+    kw.update(numguard_kwargs or {})
+    ng_out, ng_err, insp = run_batches(model, lambda m: numguard.watch(m, **kw), batches)
+    insp.close(check=False)
+    return hf_out, hf_err, ng_out, ng_err
+
+
+class SyncCounter:
+    """Counts host syncs: aten._local_scalar_dense (dispatch mode) and Tensor.item / tolist /
+    __bool__ / __float__ / __int__ / cpu / numpy (function mode). Each event is attributed to
+    numguard (a numguard frame on the stack) and, within numguard, to a hook or to a batch end."""
+
+    FUNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
+             torch.Tensor.__int__, torch.Tensor.cpu, torch.Tensor.numpy}
+    BATCH_END = {"_end_batch", "check", "close", "_check_now_sync", "_check_async"}
+
+    def __init__(self):
+        self.total = 0
+        self.numguard = 0
+        self.in_hooks = 0
+        self.where = []
+
+    def event(self, what):
+        self.total += 1
+        frame = sys._getframe(2)
+        ours = False
+        batch_end = False
+        while frame is not None:
+            if frame.f_code.co_filename.startswith(NUMGUARD_DIR):
+                ours = True
+                if frame.f_code.co_name in self.BATCH_END:
+                    batch_end = True
+            frame = frame.f_back
+        if ours:
+            self.numguard += 1
+            if not batch_end:
+                self.in_hooks += 1
+            self.where.append(what)
+
+    @contextlib.contextmanager
+    def __call__(self):
+        counter = self
+
+        class _Dispatch(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._local_scalar_dense.default:
+                    counter.event("_local_scalar_dense")
+                return func(*args, **(kwargs or {}))
+
+        class _Function(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if func in SyncCounter.FUNCS:
+                    counter.event(getattr(func, "__name__", str(func)))
+                return func(*args, **(kwargs or {}))
+
+        with _Function(), _Dispatch():
+            yield self
+
+
+def train_steps(model, steps, ids, optimizer=None):
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return optimizer

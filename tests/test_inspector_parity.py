@@ -1,0 +1,161 @@
+"""numguard's report and trace lines equal those of Transformers' DebugUnderflowOverflow on the
+same random-init models and inputs (fp16 and bf16, GPT-2 and T5), on both backends."""
+import pytest
+import torch
+
+import numguard
+from inspector_helpers import hf_vs_numguard, make_overflow, tiny_gpt2, tiny_t5
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.fixture(params=["native", "torch"])
+def backend(request, monkeypatch):
+    if request.param == "native":
+        if numguard.backend() != "native":
+            pytest.skip("native extension not loaded")
+    else:
+        monkeypatch.setattr(numguard.ops, "_native", None)
+    return request.param
+
+
+def gpt2_batches(n=2):
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    return [lambda m: m(ids)] * n
+
+
+def t5_batches(n=2):
+    ids = torch.randint(2, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    return [lambda m: m(input_ids=ids, labels=ids)] * n
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpt2_report_equals_transformers(backend, dtype):
+    model = tiny_gpt2(dtype)
+    make_overflow(model.transformer.h[1].mlp.c_fc.weight, dtype)
+    hf_out, hf_err, ng_out, ng_err = hf_vs_numguard(model, gpt2_batches())
+    assert hf_err is not None and "inf/nan" in str(hf_err)
+    assert isinstance(ng_err, numguard.NonFiniteError) and isinstance(ng_err, ValueError)
+    assert "Detected inf/nan during batch_number=0" in hf_out
+    assert ng_out == hf_out
+    assert ng_err.module == "transformer.h.1.mlp.c_fc"
+    assert ng_err.batch_number == 0
+    assert "output" in ng_err.labels
+    assert ng_err.rank is None
+    assert ng_err.report.strip("\n") == ng_out.strip("\n")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_t5_report_equals_transformers(backend, dtype):
+    model = tiny_t5(dtype)
+    make_overflow(model.decoder.block[0].layer[2].DenseReluDense.wi.weight, dtype)
+    hf_out, hf_err, ng_out, ng_err = hf_vs_numguard(model, t5_batches())
+    assert hf_err is not None
+    assert isinstance(ng_err, numguard.NonFiniteError)
+    assert ng_out == hf_out
+    assert ng_err.module == "decoder.block.0.layer.2.DenseReluDense.wi"
+
+
+def test_report_in_second_batch_spans_batches(backend):
+    """The trip happens in batch 1 early enough that the saved frames reach back into batch 0
+    (with the "Starting batch number" lines and batch 0's weight stats)."""
+    dtype = torch.float16
+    model = tiny_gpt2(dtype)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+
+    def healthy(m):
+        m(ids)
+
+    def poison(m):
+        make_overflow(m.transformer.h[0].attn.c_attn.weight, dtype)
+        m(ids)
+
+    hf_out, hf_err, ng_out, ng_err = hf_vs_numguard(model, [healthy, poison])
+    assert "Starting batch number=1" in hf_out and "Detected inf/nan during batch_number=1" in hf_out
+    assert ng_out == hf_out
+    assert ng_err.batch_number == 1
+
+
+def test_nonfinite_weight_trips_at_first_frame_that_uses_it(backend):
+    """A NaN in an embedding row that the batch never looks up: the output is finite, but
+    Transformers trips at the embedding's frame because of its weight; so does numguard."""
+    model = tiny_gpt2(torch.float32)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model.transformer.wte.weight[63, 0] = float("nan")
+    hf_out, hf_err, ng_out, ng_err = hf_vs_numguard(model, [lambda m: m(ids)])
+    assert hf_err is not None
+    assert ng_out == hf_out
+    assert ng_err.module == "transformer.wte"
+    assert ng_err.labels == ["weight"]
+
+
+def test_trace_equals_transformers(backend):
+    model = tiny_gpt2(torch.float16)
+    hf_out, hf_err, ng_out, ng_err = hf_vs_numguard(model, gpt2_batches(4), {"trace_batch_nums": [1, 3]},
+                                                    {"trace_batch_nums": [1, 3]})
+    assert hf_err is None and ng_err is None
+    assert "*** Starting batch number=1 ***" in hf_out and "*** Starting batch number=3 ***" in hf_out
+    assert ng_out == hf_out
+
+
+def test_trace_then_trip_in_later_batch(backend):
+    """A trace of batch 0 then a trip in batch 1: the report does not reach back into the traced
+    batch (as in Transformers)."""
+    dtype = torch.float16
+    model = tiny_gpt2(dtype)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+
+    def poison(m):
+        make_overflow(m.transformer.h[0].mlp.c_fc.weight, dtype)
+        m(ids)
+
+    hf_out, hf_err, ng_out, ng_err = hf_vs_numguard(model, [lambda m: m(ids), poison],
+                                                    {"trace_batch_nums": [0]}, {"trace_batch_nums": [0]})
+    assert hf_err is not None and ng_err is not None
+    assert ng_out == hf_out
+
+
+def test_abort_after_batch(backend):
+    model = tiny_gpt2(torch.float32)
+    hf_out, hf_err, ng_out, ng_err = hf_vs_numguard(model, gpt2_batches(5), {"abort_after_batch_num": 2},
+                                                    {"abort_after_batch_num": 2})
+    assert "aborting after 3 batches" in str(hf_err)
+    assert isinstance(ng_err, ValueError)
+    assert "batch_number=2" in str(ng_err) and "3 batches" in str(ng_err)
+    assert "abort_after_batch_num=2" in str(ng_err)
+    assert ng_out == hf_out == ""
+
+
+def test_extras_add_lines_but_keep_transformers_lines(backend):
+    """With extras on (the default) every Transformers line is still there, in order; numguard's
+    own lines (keyword inputs, ModelOutput contents, summary, headroom) come in addition."""
+    dtype = torch.float16
+    model = tiny_gpt2(dtype)
+    make_overflow(model.transformer.h[1].mlp.c_fc.weight, dtype)
+    hf_out, _, plain, _ = hf_vs_numguard(model, gpt2_batches())
+    from inspector_helpers import clear_hooks, run_batches
+    clear_hooks(model)
+    out, err, insp = run_batches(model, lambda m: numguard.watch(m), gpt2_batches())
+    insp.close(check=False)
+    lines = out.splitlines()
+    it = iter(lines)
+    assert all(any(line == other for other in it) for line in hf_out.splitlines())
+    assert "kwargs.position_ids" in out
+    assert "numguard: first non-finite value in transformer.h.1.mlp.c_fc" in out
+    assert len(lines) > len(hf_out.splitlines())
+
+
+def test_drop_in_class_has_transformers_signature():
+    import inspect
+    from transformers.debug_utils import DebugUnderflowOverflow as HF
+    ours = inspect.signature(numguard.DebugUnderflowOverflow.__init__)
+    theirs = inspect.signature(HF.__init__)
+    assert list(ours.parameters) == list(theirs.parameters)
+    model = tiny_gpt2(torch.float16)
+    make_overflow(model.transformer.h[1].mlp.c_fc.weight, torch.float16)
+    from inspector_helpers import run_batches
+    out, err, d = run_batches(model, lambda m: numguard.DebugUnderflowOverflow(m), gpt2_batches())
+    d.close(check=False)
+    assert isinstance(err, numguard.NonFiniteError)
+    assert "Detected inf/nan during batch_number=0" in out
