@@ -45,7 +45,10 @@ def frame_series(dump):
     whether any of its tensors holds NaN or Inf, dtypes the float dtype names it holds.
     """
     series = []
-    for frame in dump.get("frames", []):
+    frames = dump.get("frames", [])
+    if any("in_report" in frame for frame in frames):  # the frames the text report shows
+        frames = [frame for frame in frames if frame.get("in_report", True)]
+    for frame in frames:
         records = frame.get("records") or []
         dtypes = frame.get("dtypes") or [None] * len(records)
         abs_max, min_nonzero, non_finite, names = None, None, False, []
@@ -61,7 +64,7 @@ def frame_series(dump):
                 abs_max = high if abs_max is None else max(abs_max, high)
             if low is not None and math.isfinite(low) and low > 0:
                 min_nonzero = low if min_nonzero is None else min(min_nonzero, low)
-        label = frame.get("name") or frame.get("module") or "?"
+        label = f"{frame.get('name') or '(root)'} {frame.get('class') or ''}".strip()
         section = frame.get("section")
         if section and section != "forward":
             label = f"{label} ({section})"
