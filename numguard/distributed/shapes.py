@@ -34,6 +34,7 @@ from array import array
 from collections import Counter
 
 import torch
+import torch.distributed
 
 from . import coordination as _co
 from .errors import DistributedOperationException
@@ -46,6 +47,13 @@ TOKEN_CAPACITY = RECORD_WORDS - _TOKENS_AT
 _MAGIC = 0x4E47_5348_0001  # "NGSH", layout version 1
 
 _TENSOR, _LIST, _TUPLE, _DICT, _NONE, _OTHER = 1, 2, 3, 4, 5, 6
+_HASH_MASK = (1 << 62) - 1
+_MAX = torch.distributed.ReduceOp.MAX
+
+#: How ranks agree: ``"all_reduce"`` (default: one all_reduce(MAX) of two int64 per check; the
+#: records are all-gathered only on a mismatch) or ``"all_gather"`` (every check all-gathers the
+#: full records). See NOTE: [agreement by all_reduce] and benchmarks/bench_distributed.py.
+FAST_PATH = "all_reduce"
 
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
@@ -123,8 +131,9 @@ def _describe(obj, tokens: list, dtype_at: list) -> int:
     return 1
 
 
-def encode(obj, op: str, site: str, buf: bytearray) -> None:
-    """Write ``obj``'s check record (see NOTE: [check record layout]) into ``buf``."""
+def encode(obj, op: str, site: str, buf: bytearray) -> int:
+    """Write ``obj``'s check record (see NOTE: [check record layout]) into ``buf``; return the
+    full-description hash."""
     tokens: list = []
     dtype_at: list = []
     n_leaves = _describe(obj, tokens, dtype_at)
@@ -144,6 +153,7 @@ def encode(obj, op: str, site: str, buf: bytearray) -> None:
     room = TOKEN_CAPACITY * 8
     at = _TOKENS_AT * 8
     buf[at: at + min(len(packed), room)] = packed[:room]
+    return full
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,7 +363,22 @@ def check_shapes(obj, op: str | None = None, group=None, timeout: float | None =
     op_name = op if op is not None else "numguard.distributed.check_shapes"
     site = _co.call_site()
     hin_b = st.gather_buffers(RECORD_WORDS)[0]
-    encode(obj, op_name, site, hin_b)
+    full = encode(obj, op_name, site, hin_b)
+    if FAST_PATH == "all_reduce":
+        # NOTE: [agreement by all_reduce] MAX of (h, -h) gives (max h, -min h): equal hashes on
+        # every rank iff max == min. Only when they differ do the ranks (all of them, since they
+        # all see the same result) gather the full records to write the message.
+        h = (full ^ _MAGIC) & _HASH_MASK
+        rb, rh, rd = st.reduce_buffers(2)
+        struct.pack_into("<2q", rb, 0, h, -h)
+        if rd is not rh:
+            rd.copy_(rh)
+        _co.timed_all_reduce(st, rd, _MAX, f"`{op_name}`", site, timeout)
+        if rd is not rh:
+            rh.copy_(rd)
+        hi, neg_lo = struct.unpack_from("<2q", rb, 0)
+        if hi == -neg_lo:
+            return
     out = _co.timed_all_gather(st, RECORD_WORDS, f"`{op_name}`", site, timeout)
     stride = RECORD_WORDS * 8
     magic0, full0 = struct.unpack_from("<2q", out, 0)

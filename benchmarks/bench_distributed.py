@@ -1,0 +1,221 @@
+"""Added latency per checked collective: numguard's check vs Accelerate's debug mode vs
+TORCH_DISTRIBUTED_DEBUG=DETAIL (2 ranks, gloo, loopback, CPU).
+
+    python benchmarks/bench_distributed.py [--iters 200] [--reps 7] [--numel 16]
+
+Launch 1 (plain process group), in one process per rank, conditions interleaved block by block:
+  - raw `dist.all_reduce` / `dist.all_gather` of a small fp32 tensor, and the same calls with
+    `numguard.distributed.guard_collectives()` installed (added = guarded - raw);
+  - `accelerate.utils.operations.reduce` / `.gather` with `PartialState().debug` off and on
+    (ACCELERATE_DEBUG_MODE is read once into `PartialState().debug`; the benchmark sets the
+    variable and refreshes that field the same way; added = on - off);
+  - `numguard.distributed.check_shapes` alone.
+Launch 2: the raw collectives under TORCH_DISTRIBUTED_DEBUG=DETAIL (it wraps the process group at
+creation, so it needs its own launch; added = DETAIL launch - plain launch, across launches).
+Prints a table and writes benchmarks/results/bench_distributed.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(mode: str, args, extra_env: dict) -> dict:
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank0.json")
+        procs = []
+        for r in range(2):
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+                       WORLD_SIZE="2", LOCAL_RANK=str(r), OMP_NUM_THREADS="1",
+                       PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            env.pop("ACCELERATE_DEBUG_MODE", None)
+            env.pop("NUMGUARD_DIST_CHECK", None)
+            env.update(extra_env)
+            procs.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--worker", mode, "--out", out,
+                 "--iters", str(args.iters), "--reps", str(args.reps), "--numel", str(args.numel)],
+                env=env))
+        try:
+            for p in procs:
+                p.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise SystemExit(f"benchmark launch {mode!r} timed out after {args.timeout} s")
+        if any(p.returncode for p in procs):
+            raise SystemExit(f"benchmark launch {mode!r} failed: {[p.returncode for p in procs]}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def _worker(mode: str, out: str, iters: int, reps: int, numel: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if mode == "plain":
+        from accelerate.state import PartialState
+        from accelerate.utils import operations as acc_ops
+        from accelerate.utils.environment import parse_flag_from_env
+
+        state = PartialState(cpu=True)  # initialises the gloo process group from the env
+        assert dist.is_initialized() and dist.get_backend() == "gloo"
+    else:
+        dist.init_process_group("gloo")
+    import numguard.distributed as ngd
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(numel)
+    outs = [torch.empty(numel) for _ in range(world)]
+
+    def raw_all_reduce():
+        dist.all_reduce(x)
+
+    def raw_all_gather():
+        dist.all_gather(outs, x)
+
+    conds = {"raw all_reduce": raw_all_reduce, "raw all_gather": raw_all_gather}
+    guard_state = {"on": False}
+    if mode == "plain":
+        def set_debug(on: bool):
+            os.environ["ACCELERATE_DEBUG_MODE"] = "1" if on else "0"
+            state.debug = parse_flag_from_env("ACCELERATE_DEBUG_MODE")
+
+        def acc(fn, debug):
+            def run():
+                set_debug(debug)
+                fn(x)
+            return run
+
+        def guarded(fn):
+            def run():
+                g = ngd.guard_collectives()
+                try:
+                    fn()
+                finally:
+                    g.remove()
+            return run
+
+        conds.update({
+            "numguard all_reduce": guarded(raw_all_reduce),
+            "numguard all_gather": guarded(raw_all_gather),
+            "numguard check_shapes": lambda: ngd.check_shapes(x, op="bench"),
+            "accelerate reduce (debug off)": acc(acc_ops.reduce, False),
+            "accelerate reduce (debug on)": acc(acc_ops.reduce, True),
+            "accelerate gather (debug off)": acc(acc_ops.gather, False),
+            "accelerate gather (debug on)": acc(acc_ops.gather, True),
+        })
+    del guard_state
+
+    # Each timed block runs `iters` calls of one condition; install/remove of the guard and the
+    # debug flag happen inside run() for the guarded conditions, so time them per block instead:
+    def block(name, fn):
+        if name.startswith("numguard all_"):
+            g = ngd.guard_collectives()
+            base = conds["raw " + name.split(" ", 1)[1]]
+            try:
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    base()
+                return time.perf_counter() - t0
+            finally:
+                g.remove()
+        if name.startswith("accelerate"):
+            on = "debug on" in name
+            os.environ["ACCELERATE_DEBUG_MODE"] = "1" if on else "0"
+            state.debug = parse_flag_from_env("ACCELERATE_DEBUG_MODE")
+            fn_acc = acc_ops.reduce if " reduce " in name else acc_ops.gather
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn_acc(x)
+            dt = time.perf_counter() - t0
+            state.debug = False
+            return dt
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return time.perf_counter() - t0
+
+    for name, fn in conds.items():  # warm-up
+        block(name, fn)
+    samples = {name: [] for name in conds}
+    for _ in range(reps):
+        for name, fn in conds.items():
+            samples[name].append(block(name, fn) / iters * 1e6)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"mode": mode, "median_us": {k: statistics.median(v) for k, v in samples.items()},
+                       "samples_us": samples}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=200, help="calls per timed block")
+    ap.add_argument("--reps", type=int, default=7, help="timed blocks per condition")
+    ap.add_argument("--numel", type=int, default=16, help="elements of the fp32 tensor")
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        _worker(args.worker, args.out, args.iters, args.reps, args.numel)
+        return
+
+    plain = _launch("plain", args, {})
+    detail = _launch("detail", args, {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    m, d = plain["median_us"], detail["median_us"]
+    rows = []
+    for coll, acc_name in (("all_reduce", "reduce"), ("all_gather", "gather")):
+        raw = m[f"raw {coll}"]
+        ng = m[f"numguard {coll}"] - raw
+        acc = m[f"accelerate {acc_name} (debug on)"] - m[f"accelerate {acc_name} (debug off)"]
+        det = d[f"raw {coll}"] - raw
+        rows.append({"collective": coll, "raw_us": raw, "numguard_added_us": ng,
+                     "accelerate_added_us": acc, "detail_added_us": det,
+                     "numguard_over_accelerate": ng / acc if acc > 0 else float("nan"),
+                     "numguard_over_detail": ng / det if det > 0 else float("nan")})
+    print(f"\n2 ranks, gloo, loopback, fp32[{args.numel}], median of {args.reps} blocks x "
+          f"{args.iters} calls (microseconds per call)")
+    print(f"{'collective':<11} {'raw':>8} {'+numguard':>10} {'+accelerate':>12} {'+DETAIL':>9} "
+          f"{'ng/acc':>7} {'ng/DETAIL':>9}")
+    for r in rows:
+        print(f"{r['collective']:<11} {r['raw_us']:8.1f} {r['numguard_added_us']:10.1f} "
+              f"{r['accelerate_added_us']:12.1f} {r['detail_added_us']:9.1f} "
+              f"{r['numguard_over_accelerate']:7.2f} {r['numguard_over_detail']:9.2f}")
+    print(f"check_shapes alone: {m['numguard check_shapes']:.1f} us; accelerate calls: "
+          + ", ".join(f"{k[11:]} {v:.1f}" for k, v in m.items() if k.startswith("accelerate")))
+    print("target: numguard added <= 1/3 of accelerate added -> "
+          + ", ".join(f"{r['collective']}: {'met' if r['numguard_over_accelerate'] <= 1 / 3 else 'NOT met'}"
+                      for r in rows))
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    path = os.path.join(HERE, "results", "bench_distributed.json")
+    with open(path, "w") as f:
+        json.dump({"rows": rows, "plain": plain, "detail": detail, "numel": args.numel,
+                   "iters": args.iters, "reps": args.reps}, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
