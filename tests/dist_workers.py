@@ -304,6 +304,46 @@ def scenario_world4(rank, world):
     return res
 
 
+def scenario_trip(rank, world):
+    """numguard.watch on every rank; rank 1 plants a NaN in batch 2. Every rank must raise
+    NonFiniteError in batch 2, naming rank 1 and its module; rank 1 carries the full report."""
+    import io
+
+    import torch
+
+    import numguard
+
+    torch.manual_seed(0)
+    from collections import OrderedDict
+
+    model = torch.nn.Sequential(OrderedDict(
+        proj=torch.nn.Linear(4, 8), act=torch.nn.ReLU(), head=torch.nn.Linear(8, 2)))
+    report_stream = io.StringIO()
+    insp = numguard.watch(model, report_to=report_stream)
+    res = {"batches_done": []}
+    try:
+        for batch in range(4):
+            x = torch.randn(3, 4)
+            if rank == 1 and batch == 2:
+                x[0, 0] = float("nan")
+            try:
+                model(x)
+            except numguard.NonFiniteError as exc:
+                res["raised_in_batch"] = batch
+                res["message"] = str(exc)
+                res["batch_number"] = exc.batch_number
+                res["module"] = exc.module
+                res["ranks"] = list(exc.ranks)
+                res["rank"] = exc.rank
+                res["report"] = exc.report
+                break
+            res["batches_done"].append(batch)
+    finally:
+        insp.close()
+    res["printed"] = report_stream.getvalue()
+    return res
+
+
 def main(argv):
     name, out = argv[1], argv[2]
     result = {}

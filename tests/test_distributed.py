@@ -295,3 +295,25 @@ def test_trip_exchange_helpers(world4):
         (rank, name), = r["long_name"]
         assert rank == 0 and name.endswith("...") and set(name[:-3]) == {"m"}
         assert len(name.encode()) <= 61 * 8
+
+
+def test_coordinated_trip_through_watch():
+    """Rank 1 plants a NaN in batch 2: every rank raises NonFiniteError in batch 2, naming rank 1
+    and the module; only rank 1 carries (and prints) the report."""
+    import numguard
+
+    if not hasattr(numguard, "watch"):
+        pytest.fail("numguard.watch is missing: the inspector must call "
+                    "numguard.distributed.coordination.exchange_trip at the end of each batch")
+    r0, r1 = dist_workers.run_scenario("trip", 2, timeout=120)
+    for r in (r0, r1):
+        assert r["batches_done"] == [0, 1]
+        assert r["raised_in_batch"] == 2 and r["batch_number"] == 2
+        assert r["ranks"] == [1]
+        assert r["module"] == "proj"
+    assert r0["rank"] == 0 and r1["rank"] == 1
+    assert "rank 1" in r0["message"] and "proj" in r0["message"]
+    assert r0["report"] == "" and r0["printed"] == ""
+    assert "Detected inf/nan during batch_number=2" in r1["report"]
+    assert "     nan      nan input[0]" in r1["report"]
+    assert r1["report"] in r1["printed"]
