@@ -1,0 +1,542 @@
+"""Inspector behaviour: host syncs, memory, cleanup, hostile models, on_trip actions, headroom,
+async and check_every, detect_overflow, record_frame."""
+import collections
+import dataclasses
+import gc
+import json
+import warnings
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import numguard
+from numguard.errors import AbortAfterBatch, HeadroomWarning, InspectorWarning, NonFiniteWarning
+from inspector_helpers import SyncCounter, tiny_gpt2, train_steps
+
+
+@pytest.fixture(params=["native", "torch"])
+def backend(request, monkeypatch):
+    if request.param == "native":
+        if numguard.backend() != "native":
+            pytest.skip("native extension not loaded")
+    else:
+        monkeypatch.setattr(numguard.ops, "_native", None)
+    return request.param
+
+
+def quiet(**kw):
+    kw.setdefault("report_to", None)
+    return kw
+
+
+class MLP(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.act = nn.ReLU()
+        self.b = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.b(self.act(self.a(x)))
+
+
+def all_hooks(model):
+    total = 0
+    for m in model.modules():
+        for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                     "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_state_dict_hooks",
+                     "_load_state_dict_pre_hooks"):
+            total += len(getattr(m, name, {}))
+    return total
+
+
+# -- host syncs --------------------------------------------------------------------------------
+
+def test_no_sync_in_hooks_and_at_most_one_per_batch(backend):
+    model = tiny_gpt2(torch.float32)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    opt = train_steps(model, 1, ids)  # warm up outside the counter
+    insp = numguard.watch(model, **quiet())
+    train_steps(model, 1, ids, opt)
+    steps = 4
+    with SyncCounter()() as counter:
+        train_steps(model, steps, ids, opt)
+    insp.close()
+    assert counter.in_hooks == 0, counter.where
+    assert counter.numguard <= steps, counter.where
+
+
+def test_async_check_has_no_sync_on_healthy_batches(backend):
+    model = tiny_gpt2(torch.float32)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    opt = train_steps(model, 1, ids)
+    insp = numguard.watch(model, **quiet(check="async"))
+    train_steps(model, 2, ids, opt)
+    with SyncCounter()() as counter:
+        train_steps(model, 4, ids, opt)
+    insp.close()
+    assert counter.numguard == 0, counter.where
+
+
+def test_check_every_reads_the_flag_every_nth_batch(backend):
+    model = tiny_gpt2(torch.float32)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    insp = numguard.watch(model, **quiet(check_every=3))
+    with torch.no_grad():
+        model(ids)
+        with SyncCounter()() as counter:
+            for _ in range(6):
+                model(ids)
+    insp.close()
+    assert counter.numguard == 2, counter.where
+
+
+# -- memory and cleanup ----------------------------------------------------------------------
+
+def test_activations_are_not_kept_alive_and_buffers_stay_bounded(backend):
+    model = MLP()
+    seen = []
+    model.act.register_forward_hook(lambda m, i, o: seen.append(weakref.ref(o)))
+    insp = numguard.watch(model, **quiet())
+    sizes = []
+    for step in range(40):
+        model(torch.randn(4, 8)).sum().backward()
+        if step in (9, 39):
+            sizes.append((len(insp._frames), insp._ring.shape[0], len(insp._wtables)))
+    gc.collect()
+    assert seen and all(ref() is None for ref in seen)
+    assert sizes[0] == sizes[1]
+    assert sizes[1][0] <= insp.max_frames_to_save + 4
+    insp.close()
+
+
+def test_inspector_does_not_keep_the_model_alive(backend):
+    model = MLP()
+    insp = numguard.watch(model, **quiet())
+    model(torch.randn(2, 8))
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+    insp.close()
+
+
+def test_close_removes_every_hook_and_leaves_the_model_as_before(backend):
+    model = tiny_gpt2(torch.float32)
+    before = all_hooks(model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, 64, (2, 8))
+    with numguard.watch(model, **quiet()) as insp:
+        assert all_hooks(model) > before
+        model(ids)
+    assert all_hooks(model) == before == 0
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert insp._handles == []
+
+
+# -- hostile models ----------------------------------------------------------------------------
+
+class Shared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.alias = self.lin          # the same module under a second name
+        self.block = nn.Sequential(self.lin, nn.ReLU())
+
+    def forward(self, x):
+        return self.block(self.alias(self.lin(x)))
+
+
+def test_shared_module_reported_under_first_name_each_call(backend):
+    model = Shared()
+    insp = numguard.watch(model, **quiet(on_trip="warn"))
+    x = torch.randn(2, 4)
+    model(x)
+    names = [f[0].name for f in insp._frames]
+    assert names.count("lin") == 3 and "alias" not in names and "block.0" not in names
+    with torch.no_grad():
+        model.lin.weight[0, 0] = float("inf")
+    with pytest.warns(NonFiniteWarning):
+        model(x)
+    assert insp.last_report["module"] == "lin"
+    assert insp.last_report["labels"][0] == "weight"
+    insp.close()
+
+
+class Recursive(nn.Module):
+    def __init__(self, depth=3):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.depth = depth
+
+    def forward(self, x, level=0):
+        x = self.lin(x)
+        if level < self.depth:
+            x = self(x, level + 1)  # the root calls itself
+        return x
+
+
+def test_recursive_root_ends_one_batch_per_outer_call(backend):
+    model = Recursive()
+    insp = numguard.watch(model, **quiet())
+    for _ in range(3):
+        model(torch.randn(2, 4))
+    assert insp.batch_number == 2
+    assert insp._batches_done == 3
+    insp.close()
+
+
+class Containers(nn.Module):
+    @dataclasses.dataclass
+    class Out:
+        a: torch.Tensor
+        b: object
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, mask=None, ints=None):
+        y = self.lin(x)
+        k = self.kind
+        if k == "tuple":
+            return (y, (y * 2, None, 3), None)
+        if k == "list":
+            return [y, [y, y]]
+        if k == "dict":
+            return {"y": y, "nested": {"z": y * 3}, "n": 5}
+        if k == "ordered":
+            return collections.OrderedDict(y=y)
+        if k == "dataclass":
+            return Containers.Out(y, (y,))
+        if k == "none":
+            return None
+        if k == "deep":
+            return (((((y,),),),),)
+        if k == "namedtuple":
+            return torch.return_types.max((y, ints))
+        return "a string"
+
+
+@pytest.mark.parametrize("kind", ["tuple", "list", "dict", "ordered", "dataclass", "none", "deep",
+                                  "namedtuple", "str"])
+def test_every_container_output_type(backend, kind):
+    model = Containers(kind)
+    insp = numguard.watch(model, **quiet(on_trip="warn"))
+    x = torch.randn(2, 4)
+    ints = torch.arange(6).view(2, 3)
+    for _ in range(2):
+        model(x, mask=torch.ones(2, 4, dtype=torch.bool), ints=ints)
+    assert insp._depth == 0 and insp._batches_done == 2
+    # A NaN inside the container is found, wherever it is.
+    if kind not in ("none", "str"):
+        with torch.no_grad():
+            model.lin.bias.fill_(float("nan"))
+        with pytest.warns(NonFiniteWarning):
+            model(x, mask=torch.ones(2, 4, dtype=torch.bool), ints=ints)
+        assert insp.last_report["module"] == "lin"
+    insp.close()
+
+
+def test_container_outputs_are_shown_on_numguard_lines():
+    model = Containers("dict")
+    insp = numguard.watch(model, **quiet(on_trip="warn"))
+    with torch.no_grad():
+        model.lin.bias.fill_(float("nan"))
+    out_lines = []
+    insp.report_to = out_lines.append
+    with pytest.warns(NonFiniteWarning):
+        model(torch.randn(2, 4), mask=torch.ones(2, 4), ints=None)
+    insp.close()
+    # the root frame is after the offender; check a frame of the root directly with extras
+    insp2 = numguard.watch(model, **quiet(on_trip="warn", max_frames_to_save=5))
+    with torch.no_grad():
+        model.lin.bias.fill_(0.0)
+        model.lin.weight.fill_(0.0)
+    x = torch.randn(2, 4)
+    x[0, 0] = float("nan")
+    texts = []
+    insp2.report_to = texts.append
+    with pytest.warns(NonFiniteWarning):
+        model(torch.ones(2, 4), mask=x, ints=None)  # only the keyword input holds a NaN
+    insp2.close()
+    text = texts[0]
+    assert "kwargs.mask" in text
+    assert 'output.y' in text and "output.nested.z" in text and "output.n" in text
+
+
+def test_integer_bool_and_empty_tensors(backend):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+
+        def forward(self, ids, flags, empty):
+            return self.emb(ids), flags, empty, ids.new_zeros(0)
+
+    model = M()
+    insp = numguard.watch(model, **quiet())
+    for _ in range(3):
+        model(torch.tensor([[1, 2, 3]]), torch.tensor([True, False]), torch.empty(0, 4))
+    insp.close()
+
+
+def test_module_whose_forward_raises_then_next_batch_works(backend):
+    class Flaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.fail = True
+
+        def forward(self, x):
+            y = self.lin(x)
+            if self.fail:
+                raise RuntimeError("user error")
+            return y
+
+    model = Flaky()
+    insp = numguard.watch(model, **quiet())
+    with pytest.raises(RuntimeError, match="user error"):
+        model(torch.randn(2, 4))
+    assert insp._depth == 0
+    model.fail = False
+    model(torch.randn(2, 4))
+    assert insp._batches_done == 1
+    with torch.no_grad():
+        model.lin.bias.fill_(float("inf"))
+    with pytest.raises(numguard.NonFiniteError) as info:
+        model(torch.randn(2, 4))
+    assert info.value.module == "lin" and info.value.batch_number == 1
+    insp.close()
+
+
+def test_numguard_failure_in_a_hook_warns_once_and_stops_watching_that_module(backend, monkeypatch):
+    model = MLP()
+    insp = numguard.watch(model, **quiet())
+    real = numguard.inspector._flatten_frame
+
+    def broken(args, kwargs, output, extras):
+        if isinstance(output, torch.Tensor) and output.shape[-1] == 8 and not broken.done:
+            broken.done = True
+            raise RuntimeError("numguard bug")
+        return real(args, kwargs, output, extras)
+
+    broken.done = False
+    monkeypatch.setattr(numguard.inspector, "_flatten_frame", broken)
+    with pytest.warns(InspectorWarning, match="stopped watching module 'a'"):
+        model(torch.randn(2, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.randn(2, 8))
+    assert [o.name for o in insp._owners if o.off] == ["a"]
+    insp.close()
+
+
+def test_module_called_several_times_per_batch(backend):
+    class Loop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            for _ in range(5):
+                x = self.lin(x)
+            return x
+
+    model = Loop()
+    insp = numguard.watch(model, **quiet(max_frames_to_save=3, check_every=2))
+    model(torch.randn(2, 4))
+    assert [f[0].name for f in insp._frames][-6:] == ["lin"] * 5 + [""]
+    with torch.no_grad():
+        model.lin.weight.mul_(1e30)
+    with pytest.raises(numguard.NonFiniteError) as info:
+        model(torch.randn(2, 4))
+    assert "Last 3 forward frames:" in info.value.report
+    insp.close()
+
+
+# -- on_trip, dump, headroom -------------------------------------------------------------------
+
+def nan_model():
+    model = MLP()
+    with torch.no_grad():
+        model.b.bias[0] = float("nan")
+    return model
+
+
+def test_on_trip_warn_goes_on_and_reports_again(backend):
+    model = nan_model()
+    texts = []
+    insp = numguard.watch(model, on_trip="warn", report_to=texts.append)
+    for _ in range(3):
+        with pytest.warns(NonFiniteWarning, match="in b"):
+            model(torch.randn(2, 8))
+    assert insp.trips == 3 and len(texts) == 3
+    assert "Detected inf/nan during batch_number=2" in texts[2]
+    insp.close()
+
+
+def test_on_trip_dump_round_trip(backend, tmp_path):
+    model = nan_model()
+    texts = []
+    insp = numguard.watch(model, on_trip="dump", dump_dir=tmp_path, report_to=texts.append)
+    with pytest.warns(NonFiniteWarning, match="written to"):
+        model(torch.randn(2, 8))
+    insp.close()
+    files = list(tmp_path.glob("numguard-trip-rank0-batch0*.json"))
+    assert len(files) == 1
+    data = numguard.dump.load(files[0])
+    assert data["module"] == "b" and data["frames"][-1]["offender"]
+    frame = data["frames"][-1]
+    assert frame["labels"][:2] == ["weight", "bias"] and len(frame["records"][0]) == 8
+    assert frame["dtypes"][2] == "torch.float32" and frame["shapes"][2] == [2, 8]
+    assert numguard.dump.render_file(files[0]) == texts[0]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "other"}))
+    with pytest.raises(ValueError, match="not a numguard report"):
+        numguard.dump.load(bad)
+
+
+def test_headroom_warns_once_and_does_not_raise(backend):
+    class Big(nn.Module):
+        def forward(self, x):
+            return x * 0.7 * 65504
+
+    model = nn.Sequential(nn.Identity(), Big()).half()
+    insp = numguard.watch(model, **quiet())
+    with pytest.warns(HeadroomWarning, match=r"1 \(Big\) output reached abs max .*70% of float16"):
+        model(torch.ones(4, dtype=torch.float16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            model(torch.ones(4, dtype=torch.float16))
+    assert insp.trips == 0
+    insp.close()
+
+
+def test_headroom_section_in_report(backend):
+    class Big(nn.Module):
+        def forward(self, x):
+            return x * 60000
+
+    model = nn.Sequential(Big(), Big()).half()
+    with pytest.raises(numguard.NonFiniteError) as info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with numguard.watch(model, **quiet(headroom=0)):
+            model(torch.ones(4, dtype=torch.float16))
+    text = info.value.report
+    assert "Headroom (abs max as a fraction" in text
+    assert "91.6% 6.00e+04 float16 0 Big output" in text
+
+
+def test_headroom_zero_turns_it_off(backend):
+    model = nn.Sequential(nn.Identity()).half()
+    insp = numguard.watch(model, **quiet(headroom=0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.full((4,), 60000, dtype=torch.float16))
+    insp.close()
+
+
+# -- async / check_every -----------------------------------------------------------------------
+
+def test_async_reports_one_batch_late(backend):
+    model = MLP()
+    insp = numguard.watch(model, check="async", report_to=None)
+    model(torch.randn(2, 8))
+    with torch.no_grad():
+        model.b.bias[0] = float("inf")
+    model(torch.randn(2, 8))  # trips; found at the next batch end
+    with pytest.raises(numguard.NonFiniteError) as info:
+        model(torch.randn(2, 8))
+    assert info.value.batch_number == 1 and info.value.module == "b"
+    assert 'check="async" found this trip at the end of batch_number=2' in info.value.report
+    insp.close(check=False)
+
+
+def test_check_every_finds_a_trip_in_an_unchecked_batch(backend):
+    model = MLP()
+    insp = numguard.watch(model, check_every=4, report_to=None)
+    model(torch.randn(2, 8))
+    with torch.no_grad():
+        model.a.weight[0, 0] = float("nan")
+    model(torch.randn(2, 8))
+    model(torch.randn(2, 8))
+    with pytest.raises(numguard.NonFiniteError) as info:
+        model(torch.randn(2, 8))
+    assert info.value.batch_number == 1 and info.value.module == "a"
+    assert info.value.labels[0] == "weight"
+    insp.close(check=False)
+
+
+def test_close_checks_unchecked_batches(backend):
+    model = nan_model()
+    insp = numguard.watch(model, check_every=10, report_to=None)
+    model(torch.randn(2, 8))
+    with pytest.raises(numguard.NonFiniteError):
+        insp.close()
+    assert all_hooks(model) == 0
+
+
+# -- detect_overflow and record_frame ----------------------------------------------------------
+
+def test_detect_overflow_inside_and_outside(backend, capsys):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            numguard.detect_overflow(y * float("inf"), "scaled y")
+            return y
+
+    assert numguard.detect_overflow(torch.tensor([1.0, float("nan"), float("inf")]), "t") is True
+    assert capsys.readouterr().out == "t has nans\nt has infs\n"
+    assert numguard.detect_overflow(torch.ones(3), "ok") is False
+    model = M()
+    with pytest.raises(numguard.NonFiniteError) as info:
+        with SyncCounter()() as counter, numguard.watch(model, report_to=None):
+            model(torch.randn(2, 4))
+    assert counter.in_hooks == 0
+    assert info.value.module == "" and info.value.labels == ["scaled y"]
+    assert "     inf scaled y" in info.value.report
+
+
+def test_record_frame_backward_section(backend):
+    model = MLP()
+    insp = numguard.watch(model, report_to=None)
+    model(torch.randn(2, 8))
+    insp.record_frame("b", "Linear", ["grad_output[0]", "note"], [torch.tensor([1.0, float("nan")]), "x"],
+                      section="backward")
+    with pytest.raises(numguard.NonFiniteError) as info:
+        insp.check("before optimizer step")
+    text = info.value.report
+    assert "Last 1 backward frames:" in text
+    assert "     nan      nan grad_output[0]" in text and "not a tensor note" in text
+    assert info.value.module == "b" and info.value.batch_number == 0
+    insp.close(check=False)
+
+
+def test_abort_after_batch_raises_value_error(backend):
+    model = MLP()
+    with numguard.watch(model, abort_after_batch_num=1, report_to=None):
+        model(torch.randn(2, 8))
+        with pytest.raises(AbortAfterBatch, match=r"after batch_number=1 \(2 batches run\)"):
+            model(torch.randn(2, 8))
+
+
+def test_invalid_arguments_name_the_value():
+    model = MLP()
+    with pytest.raises(ValueError, match="check='sometimes'"):
+        numguard.watch(model, check="sometimes")
+    with pytest.raises(ValueError, match="on_trip='explode'"):
+        numguard.watch(model, on_trip="explode")
+    with pytest.raises(ValueError, match="check_every=0"):
+        numguard.watch(model, check_every=0)
+    with pytest.raises(ValueError, match="headroom=2"):
+        numguard.watch(model, headroom=2)
+    assert all_hooks(model) == 0
