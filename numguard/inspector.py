@@ -326,9 +326,13 @@ class Inspector:
                 owner.is_root = True
                 root_name_seen = True
                 self._root_owner = owner
-                self._handles.append(module.register_forward_pre_hook(self._root_pre_hook))
+                # NOTE: [compile] The root's hooks run outside any torch.compile graph (the batch-end
+                # read must not break a graph in the middle); inner hooks do nothing while compiling.
+                self._handles.append(module.register_forward_pre_hook(
+                    torch.compiler.disable(self._root_pre_hook)))
                 self._handles.append(module.register_forward_hook(
-                    functools.partial(self._root_hook, owner), with_kwargs=True, always_call=True))
+                    torch.compiler.disable(functools.partial(self._root_hook, owner)), with_kwargs=True,
+                    always_call=True))
             else:
                 self._handles.append(module.register_forward_hook(
                     functools.partial(self._hook, owner), with_kwargs=True))
@@ -459,7 +463,7 @@ class Inspector:
         return None
 
     def _hook(self, owner, module, args, kwargs, output):
-        if owner.off or self._closed:
+        if owner.off or self._closed or torch.compiler.is_compiling():
             return None
         try:
             xs, labels, kinds = _flatten_frame(args, kwargs, output, self.extras)
