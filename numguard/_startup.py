@@ -122,9 +122,13 @@ def _has_numguard_hooks(module):
     """True when some numguard inspector already hooks this module (e.g. the script's own watch())."""
     for hooks in (module._forward_hooks, module._forward_pre_hooks):
         for hook in hooks.values():
-            owner = getattr(hook, "__module__", None) or getattr(getattr(hook, "func", None), "__module__", "")
-            if owner and owner.startswith("numguard") and owner != __name__:
-                return True
+            for _ in range(4):  # through functools.partial and wrappers (e.g. torch.compiler.disable)
+                owner = getattr(hook, "__module__", None) or ""
+                if owner.startswith("numguard") and owner != __name__:
+                    return True
+                hook = getattr(hook, "__wrapped__", None) or getattr(hook, "func", None)
+                if hook is None:
+                    break
     return False
 
 

@@ -1,0 +1,100 @@
+"""numguard.watch with torch.compile (inductor on the CPU): detection works, numguard causes no
+graph break from a host read of its own, and a watched model is compiled once, not per batch."""
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+import numguard
+
+SYNC_WORDS = ("_local_scalar_dense", "Data dependent", "item()", "tolist")
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def plant_nan(model):
+    with torch.no_grad():
+        model[2].weight[0, 0] = float("nan")
+
+
+def test_watching_a_compiled_model_detects_and_compiles_once():
+    model = make_model()
+    compiled = torch.compile(model, backend="inductor")
+    x = torch.randn(4, 8)
+    with numguard.watch(compiled, report_to=None) as insp:
+        for _ in range(4):
+            compiled(x)
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs == 1
+        assert insp.batch_number == 3
+        plant_nan(model)
+        with pytest.raises(numguard.NonFiniteError) as info:
+            compiled(x)
+    assert info.value.batch_number == 4
+    assert "output" in info.value.labels
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompilation per batch
+
+
+def test_compiling_a_watched_model_breaks_no_graph_for_a_host_read():
+    model = make_model()
+    x = torch.randn(4, 8)
+    with numguard.watch(model, report_to=None):
+        explanation = torch._dynamo.explain(model)(x)
+    reasons = [r.reason for r in explanation.break_reasons]
+    assert not any(word in reason for reason in reasons for word in SYNC_WORDS), reasons
+
+
+def test_compiled_watched_model_detects():
+    model = make_model()
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    x = torch.randn(4, 8)
+    with numguard.watch(model, report_to=None):
+        compiled = torch.compile(model, backend=counting_backend)
+        for _ in range(3):
+            compiled(x)
+        compiled_graphs = len(graphs)
+        plant_nan(model)
+        with pytest.raises(numguard.NonFiniteError) as info:
+            compiled(x)
+    assert info.value.batch_number == 3
+    assert len(graphs) == compiled_graphs  # planting a NaN did not recompile anything
+    # numguard's ops did not land inside the user's graphs as host reads
+    for gm in graphs:
+        targets = {str(node.target) for node in gm.graph.nodes}
+        assert not any("_local_scalar_dense" in t or "item" == t for t in targets), targets
+
+
+def test_compiled_model_backward_gradients_checked_before_the_step():
+    model = make_model()
+    compiled = torch.compile(model, backend="inductor")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    with numguard.watch(compiled, backward=True, report_to=None):
+        loss = compiled(x).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        loss = compiled(x).sum()
+        loss.backward()
+        model[2].weight.grad[0, 0] = float("inf")  # a bad gradient the forward never saw
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(numguard.NonFiniteError) as info:
+            opt.step()
+    assert info.value.labels == ["_orig_mod.2.weight.grad"]
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
