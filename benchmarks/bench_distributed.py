@@ -5,7 +5,8 @@ TORCH_DISTRIBUTED_DEBUG=DETAIL (2 ranks, gloo, loopback, CPU).
 
 Launch 1 (plain process group), in one process per rank, conditions interleaved block by block:
   - raw `dist.all_reduce` / `dist.all_gather` of a small fp32 tensor, and the same calls with
-    `numguard.distributed.guard_collectives()` installed (added = guarded - raw);
+    `numguard.distributed.guard_collectives()` installed (added = guarded - raw); also with
+    `shapes.FAST_PATH = "all_gather"` (every check all-gathers the full records) for comparison;
   - `accelerate.utils.operations.reduce` / `.gather` with `PartialState().debug` off and on
     (ACCELERATE_DEBUG_MODE is read once into `PartialState().debug`; the benchmark sets the
     variable and refreshes that field the same way; added = on - off);
@@ -76,10 +77,11 @@ def _worker(mode: str, out: str, iters: int, reps: int, numel: int) -> None:
         from accelerate.utils.environment import parse_flag_from_env
 
         state = PartialState(cpu=True)  # initialises the gloo process group from the env
-        assert dist.is_initialized() and dist.get_backend() == "gloo"
     else:
         dist.init_process_group("gloo")
+    assert dist.get_backend() == "gloo"
     import numguard.distributed as ngd
+    from numguard.distributed import shapes
 
     rank, world = dist.get_rank(), dist.get_world_size()
     x = torch.randn(numel)
@@ -91,80 +93,60 @@ def _worker(mode: str, out: str, iters: int, reps: int, numel: int) -> None:
     def raw_all_gather():
         dist.all_gather(outs, x)
 
-    conds = {"raw all_reduce": raw_all_reduce, "raw all_gather": raw_all_gather}
-    guard_state = {"on": False}
-    if mode == "plain":
-        def set_debug(on: bool):
-            os.environ["ACCELERATE_DEBUG_MODE"] = "1" if on else "0"
-            state.debug = parse_flag_from_env("ACCELERATE_DEBUG_MODE")
-
-        def acc(fn, debug):
-            def run():
-                set_debug(debug)
-                fn(x)
-            return run
-
-        def guarded(fn):
-            def run():
-                g = ngd.guard_collectives()
-                try:
-                    fn()
-                finally:
-                    g.remove()
-            return run
-
-        conds.update({
-            "numguard all_reduce": guarded(raw_all_reduce),
-            "numguard all_gather": guarded(raw_all_gather),
-            "numguard check_shapes": lambda: ngd.check_shapes(x, op="bench"),
-            "accelerate reduce (debug off)": acc(acc_ops.reduce, False),
-            "accelerate reduce (debug on)": acc(acc_ops.reduce, True),
-            "accelerate gather (debug off)": acc(acc_ops.gather, False),
-            "accelerate gather (debug on)": acc(acc_ops.gather, True),
-        })
-    del guard_state
-
-    # Each timed block runs `iters` calls of one condition; install/remove of the guard and the
-    # debug flag happen inside run() for the guarded conditions, so time them per block instead:
-    def block(name, fn):
-        if name.startswith("numguard all_"):
-            g = ngd.guard_collectives()
-            base = conds["raw " + name.split(" ", 1)[1]]
-            try:
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    base()
-                return time.perf_counter() - t0
-            finally:
-                g.remove()
-        if name.startswith("accelerate"):
-            on = "debug on" in name
-            os.environ["ACCELERATE_DEBUG_MODE"] = "1" if on else "0"
-            state.debug = parse_flag_from_env("ACCELERATE_DEBUG_MODE")
-            fn_acc = acc_ops.reduce if " reduce " in name else acc_ops.gather
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn_acc(x)
-            dt = time.perf_counter() - t0
-            state.debug = False
-            return dt
+    def timed(fn) -> float:
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
         return time.perf_counter() - t0
 
-    for name, fn in conds.items():  # warm-up
-        block(name, fn)
-    samples = {name: [] for name in conds}
-    for _ in range(reps):
-        for name, fn in conds.items():
-            samples[name].append(block(name, fn) / iters * 1e6)
+    def guarded(fn, fast_path):
+        def block():
+            shapes.FAST_PATH = fast_path
+            g = ngd.guard_collectives()
+            try:
+                return timed(fn)
+            finally:
+                g.remove()
+                shapes.FAST_PATH = "all_reduce"
+        return block
+
+    def accelerate(fn, debug):
+        def block():
+            # what PartialState does at start-up, refreshed for this block
+            os.environ["ACCELERATE_DEBUG_MODE"] = "1" if debug else "0"
+            state.debug = parse_flag_from_env("ACCELERATE_DEBUG_MODE")
+            try:
+                return timed(lambda: fn(x))
+            finally:
+                os.environ["ACCELERATE_DEBUG_MODE"] = "0"
+                state.debug = False
+        return block
+
+    blocks = {"raw all_reduce": lambda: timed(raw_all_reduce),
+              "raw all_gather": lambda: timed(raw_all_gather)}
+    if mode == "plain":
+        blocks.update({
+            "numguard all_reduce": guarded(raw_all_reduce, "all_reduce"),
+            "numguard all_gather": guarded(raw_all_gather, "all_reduce"),
+            "numguard(gather records) all_reduce": guarded(raw_all_reduce, "all_gather"),
+            "numguard(gather records) all_gather": guarded(raw_all_gather, "all_gather"),
+            "numguard check_shapes alone": lambda: timed(lambda: ngd.check_shapes(x, op="bench")),
+            "accelerate reduce (debug off)": accelerate(acc_ops.reduce, False),
+            "accelerate reduce (debug on)": accelerate(acc_ops.reduce, True),
+            "accelerate gather (debug off)": accelerate(acc_ops.gather, False),
+            "accelerate gather (debug on)": accelerate(acc_ops.gather, True),
+        })
+    for block in blocks.values():  # warm-up
+        block()
+    samples = {name: [] for name in blocks}
+    for _ in range(reps):  # conditions interleaved block by block
+        for name, block in blocks.items():
+            samples[name].append(block() / iters * 1e6)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"mode": mode, "median_us": {k: statistics.median(v) for k, v in samples.items()},
+            json.dump({"mode": mode,
+                       "median_us": {k: statistics.median(v) for k, v in samples.items()},
                        "samples_us": samples}, f)
     dist.barrier()
     dist.destroy_process_group()
@@ -204,8 +186,11 @@ def main() -> None:
         print(f"{r['collective']:<11} {r['raw_us']:8.1f} {r['numguard_added_us']:10.1f} "
               f"{r['accelerate_added_us']:12.1f} {r['detail_added_us']:9.1f} "
               f"{r['numguard_over_accelerate']:7.2f} {r['numguard_over_detail']:9.2f}")
-    print(f"check_shapes alone: {m['numguard check_shapes']:.1f} us; accelerate calls: "
-          + ", ".join(f"{k[11:]} {v:.1f}" for k, v in m.items() if k.startswith("accelerate")))
+    print("per call (us): " + ", ".join(f"{k} {v:.1f}" for k, v in m.items()))
+    for coll in ("all_reduce", "all_gather"):
+        alt = m[f"numguard(gather records) {coll}"] - m[f"raw {coll}"]
+        print(f"numguard added on {coll} if every check all-gathered its 2 KiB records instead of "
+              f"one all_reduce of 2 int64: {alt:.1f} us")
     print("target: numguard added <= 1/3 of accelerate added -> "
           + ", ".join(f"{r['collective']}: {'met' if r['numguard_over_accelerate'] <= 1 / 3 else 'NOT met'}"
                       for r in rows))

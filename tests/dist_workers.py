@@ -215,11 +215,16 @@ def scenario_guard(rank, world):
             elif name == "all_to_all_single":
                 dist.all_to_all_single(torch.zeros(4, 3 + rank), torch.zeros(4, 3 + rank),
                                        [2, 2], [2, 2])
+            elif name == "broadcast_src":
+                dist.broadcast(torch.zeros(3), src=rank)
+            elif name == "all_reduce_op":
+                dist.all_reduce(torch.zeros(3), op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX)
         return f
 
     res["bad"] = {n: _catch(bad(n)) for n in ("all_reduce", "broadcast", "reduce", "all_gather",
                                                "all_gather_into_tensor", "reduce_scatter_tensor",
-                                               "gather", "scatter", "all_to_all_single")}
+                                               "gather", "scatter", "all_to_all_single",
+                                               "broadcast_src", "all_reduce_op")}
     g1.remove()
     g1.remove()
     res["restored"] = all(getattr(dist, n) is f for n, f in originals.items())

@@ -27,7 +27,8 @@ def _gathered(*objs, op="torch.distributed.all_reduce", sites=None):
     out = bytearray()
     for i, obj in enumerate(objs):
         buf = bytearray(shapes.RECORD_WORDS * 8)
-        shapes.encode(obj, op, (sites or {}).get(i, "train.py:10"), buf)
+        full = shapes.encode(obj, op, (sites or {}).get(i, "train.py:10"), buf)
+        assert full == shapes.description_hash(obj, op)  # the fast path hashes the same
         out += buf
     return out
 
@@ -234,6 +235,16 @@ def test_guard_catches_each_collective(guard2, name):
     assert msgs[0]["msg"] == msgs[1]["msg"]
     assert msgs[0]["msg"].startswith(HEADER)
     assert f"Operation: `torch.distributed.{name}`" in msgs[0]["msg"]
+
+
+def test_guard_compares_root_and_reduce_op(guard2):
+    msgs = [r["bad"]["broadcast_src"] for r in guard2]
+    assert all(m.get("exc") == "DistributedOperationException" for m in msgs), msgs
+    assert "  - Process 1: arguments `src=1` instead of `src=0`" in msgs[0]["msg"]
+    assert "Arguments:\n  - Process 0: src=0\n  - Process 1: src=1" in msgs[0]["msg"]
+    msgs = [r["bad"]["all_reduce_op"] for r in guard2]
+    assert all(m.get("exc") == "DistributedOperationException" for m in msgs), msgs
+    assert "arguments `op=MAX` instead of `op=SUM`" in msgs[0]["msg"]
 
 
 def test_guard_undo(guard2):

@@ -7,7 +7,8 @@ import all_reduce``), torch's functional collectives, or calls torch makes inter
 ``torch.distributed.distributed_c10d`` (numguard's own collectives go through those, so the guard
 never checks itself).
 
-What each collective checks (shapes and dtypes must be equal on every rank):
+What each collective checks (shapes and dtypes must be equal on every rank; the reduce op and
+the src/dst rank must agree too where the collective has them):
 
 ==========================================  ================================================
 collective                                  checked
@@ -69,19 +70,49 @@ def _all_to_all_single(args, kwargs):
     return {"output": spec(out), "input": spec(inp)}
 
 
-# name -> (what to check, index and keyword of the group argument)
+def _op_name(op) -> str:
+    name = getattr(op, "name", None)
+    return name if isinstance(name, str) else type(op).__name__
+
+
+def _reduce_op(index):
+    def details(args, kwargs, group):
+        return "op=" + _op_name(_arg(args, kwargs, index, "op", dist.ReduceOp.SUM))
+    return details
+
+
+def _root_rank(args, kwargs, index, name, group):
+    """src/dst as a global rank, whether given as ``src`` or ``group_src`` (default 0)."""
+    value = _arg(args, kwargs, index, name)
+    if value is None:
+        value = kwargs.get("group_" + name)
+        if value is not None and group is not None:
+            value = dist.get_global_rank(group, value)
+    return f"{name}={0 if value is None else value}"
+
+
+def _root(index, name, op_index=None):
+    def details(args, kwargs, group):
+        text = _root_rank(args, kwargs, index, name, group)
+        if op_index is not None:
+            text += ", op=" + _op_name(_arg(args, kwargs, op_index, "op", dist.ReduceOp.SUM))
+        return text
+    return details
+
+
+# name -> (what to check, index of the group argument, other arguments that must agree)
 _COLLECTIVES = {
-    "all_reduce": (_first("tensor", 0), 2),
-    "broadcast": (_first("tensor", 0), 2),
-    "reduce": (_first("tensor", 0), 3),
-    "all_gather": (_first("tensor", 1), 2),
-    "gather": (_first("tensor", 0), 3),
-    "scatter": (_first("tensor", 0), 3),
-    "all_gather_single": (_in_out("output_tensor", "input_tensor"), 2),
-    "all_gather_into_tensor": (_in_out("output_tensor", "input_tensor"), 2),
-    "reduce_scatter_single": (_in_out("output", "input"), 3),
-    "reduce_scatter_tensor": (_in_out("output", "input"), 3),
-    "all_to_all_single": (_all_to_all_single, 4),
+    "all_reduce": (_first("tensor", 0), 2, _reduce_op(1)),
+    "broadcast": (_first("tensor", 0), 2, _root(1, "src")),
+    "reduce": (_first("tensor", 0), 3, _root(1, "dst", op_index=2)),
+    "all_gather": (_first("tensor", 1), 2, None),
+    "gather": (_first("tensor", 0), 3, _root(2, "dst")),
+    "scatter": (_first("tensor", 0), 3, _root(2, "src")),
+    "all_gather_single": (_in_out("output_tensor", "input_tensor"), 2, None),
+    "all_gather_into_tensor": (_in_out("output_tensor", "input_tensor"), 2, None),
+    "reduce_scatter_single": (_in_out("output", "input"), 3, _reduce_op(2)),
+    "reduce_scatter_tensor": (_in_out("output", "input"), 3, _reduce_op(2)),
+    "all_to_all_single": (_all_to_all_single, 4, None),
 }
 
 _lock = threading.Lock()
@@ -96,7 +127,7 @@ def _compiling() -> bool:
         return False
 
 
-def _wrap(name, original, spec, group_index):
+def _wrap(name, original, spec, group_index, details):
     qualname = f"{_NAMESPACE}.{name}"
 
     @functools.wraps(original)
@@ -106,7 +137,8 @@ def _wrap(name, original, spec, group_index):
             group = _arg(args, kwargs, group_index, "group")
             _local.busy = True
             try:
-                check_shapes(spec(args, kwargs), op=qualname, group=group, timeout=g.timeout)
+                check_shapes(spec(args, kwargs), op=qualname, group=group, timeout=g.timeout,
+                             details=details(args, kwargs, group) if details is not None else "")
             finally:
                 _local.busy = False
         return original(*args, **kwargs)
@@ -126,12 +158,12 @@ class CollectiveGuard:
         self._wrappers: dict = {}
 
     def _install(self):
-        for name, (spec, group_index) in _COLLECTIVES.items():
+        for name, (spec, group_index, details) in _COLLECTIVES.items():
             original = getattr(dist, name, None)
             if original is None:
                 continue
             original = getattr(original, "__numguard_original__", original)
-            wrapper = _wrap(name, original, spec, group_index)
+            wrapper = _wrap(name, original, spec, group_index, details)
             self._originals[name] = original
             self._wrappers[name] = wrapper
             setattr(dist, name, wrapper)

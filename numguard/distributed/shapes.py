@@ -11,12 +11,13 @@ word    meaning
 1       64-bit hash of the full description (tokens below, all of them, and the op name)
 2       the same hash with every dtype zeroed (tells a dtype-only mismatch from a shape mismatch)
 3       hash of the op name
-4       hash of the call site (reported, never compared: ranks may reach one collective from
-        different lines, e.g. ``if rank == 0: broadcast(x) else: broadcast(y)``)
+4       hash of ``details`` (other arguments that must agree, e.g. ``src=0``)
 5       number of leaves (tensors, None, scalars)
 6       number of description tokens (may exceed the space below: then only the hash compares)
 7       number of text bytes
-8-39    text: op name, a NUL byte, call site (utf-8, truncated to 256 bytes)
+8-39    text: op name, NUL, call site, NUL, details (utf-8, truncated to 256 bytes). The call
+        site is shown, never compared: ranks may reach one collective from different lines,
+        e.g. ``if rank == 0: broadcast(x) else: broadcast(y)``
 40-255  description tokens, as many as fit
 ====== =========================================================================================
 
@@ -131,23 +132,36 @@ def _describe(obj, tokens: list, dtype_at: list) -> int:
     return 1
 
 
-def encode(obj, op: str, site: str, buf: bytearray) -> int:
+def description_hash(obj, op: str, details: str = "") -> int:
+    """The full-description hash of NOTE: [check record layout] (word 1), without the record."""
+    tokens: list = []
+    _describe(obj, tokens, [])
+    return _full_hash(array("q", tokens).tobytes(), op.encode("utf-8", "replace"),
+                      details.encode("utf-8", "replace"))
+
+
+def _full_hash(packed: bytes, op_b: bytes, det_b: bytes) -> int:
+    return _hash64(packed + b"\0" + op_b + b"\0" + det_b)
+
+
+def encode(obj, op: str, site: str, buf: bytearray, details: str = "") -> int:
     """Write ``obj``'s check record (see NOTE: [check record layout]) into ``buf``; return the
     full-description hash."""
     tokens: list = []
     dtype_at: list = []
     n_leaves = _describe(obj, tokens, dtype_at)
     op_b = op.encode("utf-8", "replace")
+    det_b = details.encode("utf-8", "replace")
     packed = array("q", tokens).tobytes()
-    full = _hash64(packed + b"\0" + op_b)
+    full = _full_hash(packed, op_b, det_b)
     if dtype_at:
         for i in dtype_at:
             tokens[i] = 0
-        shape_hash = _hash64(array("q", tokens).tobytes() + b"\0" + op_b)
+        shape_hash = _full_hash(array("q", tokens).tobytes(), op_b, det_b)
     else:
         shape_hash = full
-    text = (op_b + b"\0" + site.encode("utf-8", "replace"))[: _TEXT_WORDS * 8]
-    struct.pack_into("<8q", buf, 0, _MAGIC, full, shape_hash, _hash64(op_b), _hash64(text),
+    text = (op_b + b"\0" + site.encode("utf-8", "replace") + b"\0" + det_b)[: _TEXT_WORDS * 8]
+    struct.pack_into("<8q", buf, 0, _MAGIC, full, shape_hash, _hash64(op_b), _hash64(det_b),
                      n_leaves, len(packed) // 8, len(text))
     buf[_HEADER * 8: _HEADER * 8 + len(text)] = text
     room = TOKEN_CAPACITY * 8
@@ -162,12 +176,14 @@ def encode(obj, op: str, site: str, buf: bytearray) -> int:
 class _Record:
     def __init__(self, out: bytearray, r: int):
         base = r * RECORD_WORDS * 8
-        (self.magic, self.full, self.shape_hash, self.op_hash, self.site_hash, self.n_leaves,
+        (self.magic, self.full, self.shape_hash, self.op_hash, self.details_hash, self.n_leaves,
          self.n_tokens, n_text) = struct.unpack_from("<8q", out, base)
         text = bytes(out[base + _HEADER * 8: base + _HEADER * 8 + max(0, min(n_text, 256))])
-        op, _, site = text.partition(b"\0")
+        op, _, rest = text.partition(b"\0")
+        site, _, details = rest.partition(b"\0")
         self.op = op.decode("utf-8", "replace")
         self.site = site.decode("utf-8", "replace")
+        self.details = details.decode("utf-8", "replace")
         self.complete = 0 <= self.n_tokens <= TOKEN_CAPACITY
         n = min(max(self.n_tokens, 0), TOKEN_CAPACITY)
         self.tokens = list(struct.unpack_from(f"<{n}q", out, base + _TOKENS_AT * 8))
@@ -276,6 +292,9 @@ def mismatch_message(out: bytearray, world: int, obj, op: str) -> str:
     lines += [f"  - Process {r}: {parsed[r][0]}" for r in range(world)]
     lines.append("Input dtypes:")
     lines += [f"  - Process {r}: {parsed[r][1]}" for r in range(world)]
+    if any(rec.details for rec in records):
+        lines.append("Arguments:")
+        lines += [f"  - Process {r}: {rec.details}" for r, rec in enumerate(records)]
 
     # Reference: the most common full description (lowest rank on ties).
     counts = Counter(rec.full for rec in records)
@@ -291,6 +310,8 @@ def mismatch_message(out: bytearray, world: int, obj, op: str) -> str:
             continue
         if rec.op_hash != rref.op_hash:
             diffs.append(f"  - Process {r}: operation `{rec.op}` instead of `{rref.op}`")
+        if rec.details_hash != rref.details_hash:
+            diffs.append(f"  - Process {r}: arguments `{rec.details}` instead of `{rref.details}`")
         la, lb = parsed[ref][2], parsed[r][2]
         if la is None or lb is None:
             what = "dtypes" if rec.shape_hash == rref.shape_hash else "shapes or structure"
@@ -336,7 +357,8 @@ def _prod(shape) -> int:
     return n
 
 
-def check_shapes(obj, op: str | None = None, group=None, timeout: float | None = None) -> None:
+def check_shapes(obj, op: str | None = None, group=None, timeout: float | None = None,
+                 details: str = "") -> None:
     """Check that every rank of ``group`` passes the same structure, shapes and dtypes.
 
     Args:
@@ -346,6 +368,8 @@ def check_shapes(obj, op: str | None = None, group=None, timeout: float | None =
             on it too.
         group: process group (default group when None).
         timeout: seconds to wait for every rank (``NUMGUARD_DIST_TIMEOUT``, default 60).
+        details: other arguments ranks must agree on, as text (e.g. ``"src=0"``); compared, and
+            shown when they differ.
 
     Runs one all_gather of a fixed-size int64 record (see NOTE: [check record layout]) on the
     group's collective device. On a mismatch every rank raises
@@ -362,9 +386,8 @@ def check_shapes(obj, op: str | None = None, group=None, timeout: float | None =
         return
     op_name = op if op is not None else "numguard.distributed.check_shapes"
     site = _co.call_site()
-    hin_b = st.gather_buffers(RECORD_WORDS)[0]
-    full = encode(obj, op_name, site, hin_b)
     if FAST_PATH == "all_reduce":
+        full = description_hash(obj, op_name, details)
         # NOTE: [agreement by all_reduce] MAX of (h, -h) gives (max h, -min h): equal hashes on
         # every rank iff max == min. Only when they differ do the ranks (all of them, since they
         # all see the same result) gather the full records to write the message.
@@ -379,6 +402,7 @@ def check_shapes(obj, op: str | None = None, group=None, timeout: float | None =
         hi, neg_lo = struct.unpack_from("<2q", rb, 0)
         if hi == -neg_lo:
             return
+    encode(obj, op_name, site, st.gather_buffers(RECORD_WORDS)[0], details)
     out = _co.timed_all_gather(st, RECORD_WORDS, f"`{op_name}`", site, timeout)
     stride = RECORD_WORDS * 8
     magic0, full0 = struct.unpack_from("<2q", out, 0)
