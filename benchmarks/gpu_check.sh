@@ -9,7 +9,9 @@
 # if any phase failed. Designed to finish in well under 8 minutes on an H200.
 #
 # Environment: PYTHON (default python3), TORCH_CUDA_ARCH_LIST (default 9.0), MAX_JOBS,
-# OUT (if set, the JSON results are copied there).
+# GPU_CHECK_BUDGET_S (default 450: phases are cut short so that the whole run, the bandwidth table
+# included, ends within it), OUT (if set, the JSON results are copied there).
+# Builds in place: numguard/_C*.so is replaced by the CUDA build.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$(pwd)"
@@ -20,13 +22,23 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export NUMGUARD_REQUIRE_NATIVE=1 NUMGUARD_EXPECT_CUDA_KERNELS=1
 unset NUMGUARD  # the checks call the ops directly; no automatic watching
 START=$(date +%s)
+BUDGET="${GPU_CHECK_BUDGET_S:-450}"
+TABLE_RESERVE=90  # seconds kept for the bandwidth table at the end
 
 declare -a SUMMARY=()
 FAILED=0
-phase() {  # phase NAME TIMEOUT_S COMMAND...
+phase() {  # phase NAME TIMEOUT_S COMMAND...   (NO_BUDGET=1: not cut short by the budget)
   local name="$1" limit="$2"; shift 2
-  local t0 rc
+  local t0 rc left
   t0=$(date +%s)
+  left=$(( BUDGET - (t0 - START) - TABLE_RESERVE ))
+  if [ -z "${NO_BUDGET:-}" ] && [ "$left" -lt "$limit" ]; then limit="$left"; fi
+  if [ "$limit" -lt 5 ]; then
+    echo "+++ gpu_check [$name] NOT RUN: the ${BUDGET}s budget is spent"
+    SUMMARY+=("$(printf '%-28s NOT RUN (out of time)' "$name")")
+    FAILED=1
+    return 1
+  fi
   echo
   echo "+++ gpu_check [$name] (limit ${limit}s, $(( t0 - START ))s elapsed): $*"
   timeout --signal=TERM --kill-after=10 "$limit" "$@"
@@ -70,13 +82,13 @@ for op in ('tensor_stats', 'multi_tensor_stats', 'record_'):
 # --- 2. tests ----------------------------------------------------------------------------------
 PYTEST=("$PY" -m pytest -x -q -p no:cacheprovider -o addopts="" -rfEs)
 CUDA_TESTS=(tests/test_kernels.py tests/test_cuda_build.py)
-phase "tests: kernels on CUDA" 200 "${PYTEST[@]}" "${CUDA_TESTS[@]}"
+phase "tests: kernels on CUDA" 240 "${PYTEST[@]}" "${CUDA_TESTS[@]}"
 OTHER_TESTS=()
 for f in tests/test_*.py; do
   case " ${CUDA_TESTS[*]} " in *" $f "*) ;; *) OTHER_TESTS+=("$f") ;; esac
 done
 if [ "${#OTHER_TESTS[@]}" -gt 0 ]; then
-  phase "tests: rest of the suite" 150 "${PYTEST[@]}" "${OTHER_TESTS[@]}"
+  phase "tests: rest of the suite" 120 "${PYTEST[@]}" "${OTHER_TESTS[@]}"
 fi
 
 # --- 3. CUDA graph capture / replay against eager -----------------------------------------------
@@ -85,7 +97,7 @@ phase "CUDA graph + reference" 120 "$PY" benchmarks/cuda_graph_check.py
 # --- 4. bandwidth ------------------------------------------------------------------------------
 if [ -f benchmarks/bench_kernels.py ]; then
   if "$PY" benchmarks/bench_kernels.py --help 2>/dev/null | grep -q -- "--cuda-only"; then
-    phase "bench_kernels --cuda-only" 120 "$PY" benchmarks/bench_kernels.py --cuda-only
+    phase "bench_kernels --cuda-only" 90 "$PY" benchmarks/bench_kernels.py --cuda-only
   else
     echo "+++ gpu_check: benchmarks/bench_kernels.py has no --cuda-only flag; its CPU sweep is not run here"
   fi
@@ -94,15 +106,15 @@ fi
 echo
 echo "+++ gpu_check summary (before the bandwidth table)"
 for line in "${SUMMARY[@]}"; do echo "    $line"; done
-phase "bandwidth table" 150 "$PY" benchmarks/bench_cuda_bandwidth.py
+NO_BUDGET=1 phase "bandwidth table" "$TABLE_RESERVE" "$PY" benchmarks/bench_cuda_bandwidth.py
 
 if [ -n "${OUT:-}" ] && [ -d benchmarks/results ]; then
   cp benchmarks/results/*.json "$OUT"/ 2>/dev/null || true
 fi
 echo
 if [ "$FAILED" -ne 0 ]; then
-  echo "gpu_check: some phases FAILED (total $(( $(date +%s) - START ))s):"
-  printf '    %s\n' "${SUMMARY[@]}" | grep FAILED
+  echo "gpu_check: some phases FAILED or did not run (total $(( $(date +%s) - START ))s):"
+  printf '    %s\n' "${SUMMARY[@]}" | grep -E "FAILED|NOT RUN"
   exit 1
 fi
 echo "gpu_check: all phases passed (total $(( $(date +%s) - START ))s)"
