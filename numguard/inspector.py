@@ -55,8 +55,12 @@ _MAX_ITEMS = 256       # elements per container numguard follows
 _MAX_RING = 1 << 18    # records (16 MiB of float64[8]); older frames drop out beyond this
 
 # Frame tuple fields (a tuple per frame keeps the hook path allocation-light).
+# _F_START/_F_NREC: the records this frame wrote (contiguous); _F_POS: the ring position of each
+# tensor line (a tensor already recorded by an earlier frame of the batch, unchanged since, is not
+# recorded again: its line points at the earlier record); _F_LO: the oldest position it refers to.
 _F_OWNER, _F_BATCH, _F_START, _F_LABELS, _F_KINDS, _F_DTYPES, _F_SHAPES, _F_SECTION, _F_BSTART, \
-    _F_NREC, _F_WFLAG, _F_HF = range(12)
+    _F_NREC, _F_WEIGHTS, _F_HF, _F_POS, _F_LO = range(14)
+_SEEN_LIMIT = 512       # tensors remembered for reuse within a batch
 
 
 class _STDOUT:  # sentinel: print to whatever sys.stdout is at report time
@@ -68,8 +72,8 @@ _active: list = []  # inspectors inside a watched forward (for detect_overflow)
 
 class _Owner:
     """What a frame belongs to: a watched module, or a name given to record_frame."""
-    __slots__ = ("index", "name", "cls", "ref", "wnames", "widx", "flag", "headroom", "off", "is_root",
-                 "__weakref__")
+    __slots__ = ("index", "name", "cls", "ref", "wnames", "widx", "flag", "flag_batch", "headroom", "off",
+                 "is_root", "__weakref__")
 
     def __init__(self, index, name, cls, ref=None):
         self.index = index
@@ -79,6 +83,7 @@ class _Owner:
         self.wnames = ()
         self.widx = ()
         self.flag = None
+        self.flag_batch = -1
         self.headroom = 0.0
         self.off = False
         self.is_root = False
@@ -301,6 +306,8 @@ class Inspector:
         self._pos = 0
         self._frames = []
         self._frame_starts = []           # start position per frame (for bisect)
+        self._window_lo = 0               # oldest ring position a retained frame refers to
+        self._seen = {}                   # id(tensor) -> (weakref, version, position), this batch
         self._floor = 0                   # frames before this index are not report context
         self._batches_done = 0
         self._depth = 0
@@ -477,28 +484,57 @@ class Inspector:
             self._begin_batch()
         dtypes = [x.dtype for x in xs]
         shapes = [x.shape for x in xs]
-        for x in xs:
-            if x.dtype not in _RECORDABLE or x.device != self._device or x.layout != torch.strided:
-                xs = self._sanitize(xs)
-                break
-        wflag = weights and owner.flag is not None
-        if wflag:
-            xs.append(owner.flag)
-        n = len(xs)
         pos = self._pos
+        seen = self._seen
+        positions = []
+        new = []
+        try:
+            for x in xs:
+                hit = seen.get(id(x))
+                if hit is not None and hit[0]() is x and hit[1] == x._version:
+                    positions.append(hit[2])
+                else:
+                    positions.append(pos + len(new))
+                    new.append(x)
+        except RuntimeError:  # inference tensors have no version counter: record them all
+            positions = list(range(pos, pos + len(xs)))
+            new = list(xs)
+        fresh = new
+        for x in new:
+            if x.dtype not in _RECORDABLE or x.device != self._device or x.layout != torch.strided:
+                new = self._sanitize(new)
+                break
+        else:
+            new = list(new)
+        batch = self._batches_done if hf else self.batch_number
+        if weights and owner.flag is not None and owner.flag_batch != batch:
+            # The module's weight flag (NaN when one of its weights is non-finite), first call of the batch.
+            owner.flag_batch = batch
+            positions.append(pos + len(new))
+            new.append(owner.flag)
+        n = len(new)
+        lo = min(positions) if positions else pos
         if n:
-            start = self._frame_starts[0] if self._frames else pos
-            if pos + n - start > self._ring.shape[0]:
-                self._grow(pos + n - start)
-            ops.record_(self._ring, self._state, xs, pos, owner.headroom)
+            window = min(lo, self._window_lo) if self._frames else lo
+            if pos + n - window > self._ring.shape[0]:
+                self._grow(pos + n - window)
+            ops.record_(self._ring, self._state, new, pos, owner.headroom)
             self._pos = pos + n
+            if len(seen) > _SEEN_LIMIT:
+                seen.clear()
+            try:
+                for i, x in enumerate(fresh):
+                    seen[id(x)] = (weakref.ref(x), x._version, pos + i)
+            except (RuntimeError, TypeError):
+                pass
         bstart = None
         if hf:
             bstart = self._pending_start
             self._pending_start = None
-        batch = self._batches_done if hf else self.batch_number
+        if not self._frames or lo < self._window_lo:
+            self._window_lo = lo
         self._frames.append((owner, batch, pos, labels, kinds, dtypes, shapes, section, bstart,
-                             n, wflag, hf))
+                             n, weights and bool(owner.widx), hf, positions, lo))
         self._frame_starts.append(pos)
 
     def _sanitize(self, xs):
@@ -526,13 +562,16 @@ class Inspector:
             new_size *= 2
         if new_size < needed:
             # Beyond the cap: the oldest frames' records are overwritten; forget those frames.
-            limit = self._pos - _MAX_RING + (needed - (self._pos - (self._frame_starts[0] if self._frames else self._pos)))
-            cut = bisect.bisect_left(self._frame_starts, limit)
+            limit = self._pos + (needed - (self._pos - self._window_lo)) - _MAX_RING
+            cut = 0
+            while cut < len(self._frames) and self._frames[cut][_F_LO] < limit:
+                cut += 1
             self._drop_frames(cut)
+            self._seen.clear()
             if new_size == size:
                 return
         ring = torch.zeros((new_size, old.shape[1]), dtype=old.dtype, device=old.device)
-        lo = self._frame_starts[0] if self._frames else self._pos
+        lo = self._window_lo if self._frames else self._pos
         lo = max(lo, self._pos - size)
         if self._pos > lo:
             positions = torch.arange(lo, self._pos, device=old.device)
@@ -544,6 +583,7 @@ class Inspector:
             return
         del self._frames[:cut]
         del self._frame_starts[:cut]
+        self._window_lo = min((f[_F_LO] for f in self._frames), default=self._pos)
         self._floor = max(0, self._floor - cut)
         self._last_check_frames = max(0, self._last_check_frames - cut)
         if self._async_pending is not None:
@@ -691,6 +731,7 @@ class Inspector:
         batch = self._batches_done
         self._batches_done += 1
         self._batch_open = False
+        self._seen.clear()
         self._pending_start = self._batches_done
         traced = batch in self.trace_batch_nums
         if traced:
@@ -793,7 +834,7 @@ class Inspector:
         """Lines of a frame as report dict entries (weights first, like Transformers)."""
         owner = f[_F_OWNER]
         labels, kinds, dtypes, shapes, records, extra = [], [], [], [], [], []
-        if f[_F_WFLAG] and owner.widx:
+        if f[_F_WEIGHTS] and owner.widx:
             table = tables.get(f[_F_BATCH])
             for name, w in zip(owner.wnames, owner.widx):
                 labels.append(name)
@@ -809,14 +850,14 @@ class Inspector:
                     shapes.append(None)
         R = host_ring.shape[0]
         t = 0
-        start = f[_F_START]
+        positions = f[_F_POS]
         for label, kind in zip(f[_F_LABELS], f[_F_KINDS]):
             base = kind & 3
             labels.append(label)
             kinds.append(_KIND_NAMES[base])
             extra.append(bool(kind & _EXTRA) or not f[_F_HF])
             if base == _T:
-                p = start + t
+                p = positions[t]
                 if p < valid_end - R:
                     records.append(None)
                 else:
@@ -951,6 +992,7 @@ class Inspector:
         warnings.warn(msg, NonFiniteWarning, stacklevel=4)
 
     def _reset_after_trip(self):
+        self._seen.clear()
         ops.reset_state(self._state)
         self._state_buf[4].fill_(0)
         # Frames recorded after the trip were not written (freeze on trip): forget them all.
@@ -984,7 +1026,7 @@ class Inspector:
                 if kind & 3 != _T:
                     continue
                 dtype = f[_F_DTYPES][t]
-                p = f[_F_START] + t
+                p = f[_F_POS][t]
                 t += 1
                 dmax = _LOW_PRECISION.get(dtype)
                 if dmax is None or p < self._pos - R:

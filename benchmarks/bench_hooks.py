@@ -1,0 +1,245 @@
+"""Step time and host syncs of watching every module of a model, side by side in one process.
+
+Conditions (interleaved round-robin, medians): no hooks / numguard.watch (sync check) / numguard
+check="async" / numguard check_every=10 / numguard backward=True (training only, when available)
+/ Transformers' DebugUnderflowOverflow / torch.autograd.detect_anomaly. Models: random-init GPT-2
+(~1M and ~14M parameters) and T5 (~13M), CPU, one thread. Steps: forward only (no_grad) and
+forward + backward + AdamW.
+
+    python benchmarks/bench_hooks.py [--reps 7] [--steps 3] [--models gpt2-1m,gpt2-14m,t5-13m]
+
+Prints a table and writes benchmarks/results/bench_hooks.json.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import numguard  # noqa: E402
+
+warnings.filterwarnings("ignore")
+
+
+# -- models ------------------------------------------------------------------------------------
+
+def gpt2(n_embd, n_layer, n_head, vocab, seq, batch):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(vocab_size=vocab, n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_positions=seq,
+                     bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, vocab, (batch, seq))
+    return model, (lambda m: m(ids, labels=ids)), (lambda m: m(ids))
+
+
+def t5(d_model, d_ff, layers, heads, vocab, seq, batch):
+    from transformers import T5Config, T5ForConditionalGeneration
+    cfg = T5Config(vocab_size=vocab, d_model=d_model, d_kv=d_model // heads, d_ff=d_ff, num_layers=layers,
+                   num_decoder_layers=layers, num_heads=heads, decoder_start_token_id=0, pad_token_id=0,
+                   eos_token_id=1)
+    model = T5ForConditionalGeneration(cfg)
+    ids = torch.randint(2, vocab, (batch, seq))
+    return model, (lambda m: m(input_ids=ids, labels=ids)), (lambda m: m(input_ids=ids, labels=ids))
+
+
+MODELS = {
+    "gpt2-1m": lambda: gpt2(128, 4, 4, 1024, 64, 4),
+    "gpt2-14m": lambda: gpt2(384, 6, 6, 8192, 128, 4),
+    "t5-13m": lambda: t5(256, 1024, 6, 4, 8000, 64, 4),
+}
+
+
+# -- conditions --------------------------------------------------------------------------------
+
+class HFHooks:
+    """Transformers' DebugUnderflowOverflow, removable (it keeps no hook handles of its own)."""
+
+    def __init__(self, model):
+        from transformers.debug_utils import DebugUnderflowOverflow
+        before = {m: set(m._forward_hooks) for m in model.modules()}
+        self.debug = DebugUnderflowOverflow(model)
+        self.added = [(m, k) for m in model.modules() for k in m._forward_hooks if k not in before[m]]
+
+    def close(self):
+        for m, k in self.added:
+            m._forward_hooks.pop(k, None)
+            m._forward_hooks_with_kwargs.pop(k, None)
+
+
+class Anomaly:
+    def __init__(self, model):
+        self.ctx = torch.autograd.detect_anomaly(check_nan=True)
+        self.ctx.__enter__()
+
+    def close(self):
+        self.ctx.__exit__(None, None, None)
+
+
+class Watch:
+    def __init__(self, model, **kw):
+        self.insp = numguard.watch(model, report_to=None, **kw)
+
+    def close(self):
+        self.insp.close(check=False)
+
+
+class Nothing:
+    def __init__(self, model):
+        pass
+
+    def close(self):
+        pass
+
+
+def have_backward():
+    try:
+        import numguard.backward  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def conditions(training):
+    out = [("no hooks", Nothing),
+           ("numguard", Watch),
+           ("numguard async", lambda m: Watch(m, check="async")),
+           ("numguard check_every=10", lambda m: Watch(m, check_every=10))]
+    if training and have_backward():
+        out.append(("numguard backward=True", lambda m: Watch(m, backward=True)))
+    out += [("transformers DebugUnderflowOverflow", HFHooks),
+            ("torch detect_anomaly", Anomaly)]
+    return out
+
+
+# -- sync counting -----------------------------------------------------------------------------
+
+class SyncCounter:
+    FUNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
+             torch.Tensor.__int__, torch.Tensor.cpu, torch.Tensor.numpy}
+
+    def __init__(self):
+        self.count = 0
+
+    @contextlib.contextmanager
+    def active(self):
+        counter = self
+
+        class _D(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._local_scalar_dense.default:
+                    counter.count += 1
+                return func(*args, **(kwargs or {}))
+
+        class _F(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if func in SyncCounter.FUNCS:
+                    counter.count += 1
+                return func(*args, **(kwargs or {}))
+
+        with _F(), _D():
+            yield
+
+
+# -- measurement -------------------------------------------------------------------------------
+
+def make_step(model, run, training, optimizer):
+    if training:
+        def step():
+            out = run(model)
+            out.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    else:
+        def step():
+            with torch.no_grad():
+                run(model)
+    return step
+
+
+def bench_model(name, reps, steps, sync_steps):
+    model, train_run, fwd_run = MODELS[name]()
+    params = sum(p.numel() for p in model.parameters())
+    rows = []
+    for training in (False, True):
+        model.train(training)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4) if training else None
+        step = make_step(model, train_run if training else fwd_run, training, optimizer)
+        conds = conditions(training)
+        times = {c: [] for c, _ in conds}
+        step()  # warm up (allocator, AdamW state)
+        for _ in range(reps):
+            for cname, make in conds:
+                handle = make(model)
+                try:
+                    step()  # first step after attaching: numguard's layout, ring growth
+                    t0 = time.perf_counter()
+                    for _ in range(steps):
+                        step()
+                    times[cname].append((time.perf_counter() - t0) / steps)
+                finally:
+                    handle.close()
+        syncs = {}
+        for cname, make in conds:
+            handle = make(model)
+            try:
+                step()
+                step()
+                counter = SyncCounter()
+                with counter.active():
+                    for _ in range(sync_steps):
+                        step()
+                syncs[cname] = counter.count / sync_steps
+            finally:
+                handle.close()
+        base = statistics.median(times["no hooks"])
+        for cname, _ in conds:
+            med = statistics.median(times[cname])
+            rows.append({"model": name, "params": params, "step": "train" if training else "forward",
+                         "condition": cname, "median_s": med, "ratio": med / base,
+                         "syncs_per_step": syncs[cname], "extra_syncs_per_step": syncs[cname] - syncs["no hooks"],
+                         "samples_s": times[cname]})
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--sync-steps", type=int, default=2)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                     "bench_hooks.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    rows = []
+    for name in args.models.split(","):
+        rows += bench_model(name.strip(), args.reps, args.steps, args.sync_steps)
+    header = f"{'model':9} {'params':>7} {'step':7} {'condition':36} {'median ms':>10} {'ratio':>6} {'syncs/step':>10}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['model']:9} {r['params'] / 1e6:6.1f}M {r['step']:7} {r['condition']:36} "
+              f"{r['median_s'] * 1e3:10.2f} {r['ratio']:6.2f} {r['syncs_per_step']:10.1f}")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"torch": torch.__version__, "numguard_backend": numguard.backend(),
+                   "threads": args.threads, "reps": args.reps, "steps": args.steps,
+                   "machine": platform.machine(), "processor": platform.processor(), "rows": rows}, f, indent=1)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
