@@ -32,6 +32,7 @@ __all__ = ["BackwardWatcher", "SCALER_SKIP_ACTIONS", "attach"]
 
 SCALER_SKIP_ACTIONS = ("count", "trip")
 _INPUT, _OUTPUT = 0, 1
+_INPUT_LABELS = tuple(f"grad_input[{i}]" for i in range(16))
 
 # Watchers alive in this process; the global optimizer hook and the GradScaler wrapper serve all.
 _watchers = weakref.WeakSet()
@@ -125,25 +126,44 @@ class BackwardWatcher:
     # -- activation gradients ------------------------------------------------------------------
     def _make_forward_hook(self, name, class_name):
         is_compiling = torch.compiler.is_compiling
+        is_grad_enabled = torch.is_grad_enabled
+        Tensor = torch.Tensor
+        entries = {}  # label -> (kind, name, class, label), made once per module and label
+
+        def entry(kind, label):
+            found = entries.get(label)
+            if found is None:
+                found = entries[label] = (kind, name, class_name, label)
+            return found
 
         def forward_hook(module, args, kwargs, output):
-            if self.closed or not torch.is_grad_enabled() or is_compiling():
+            if self.closed or not is_grad_enabled() or is_compiling():
                 return None
             try:
-                for label, tensor in _tensors(args, "grad_input") + _tensors(kwargs, "grad_input"):
-                    if tensor.requires_grad and not tensor.is_leaf:
-                        self._tap(tensor, (_INPUT, name, class_name, label))
-                outputs = _tensors(output, "grad_output")
-                if len(outputs) == 1 and outputs[0][0] == "grad_output":
-                    outputs = [("grad_output[0]", outputs[0][1])]
-                for label, tensor in outputs:
-                    if tensor.requires_grad:
-                        self._tap(tensor, (_OUTPUT, name, class_name, label))
+                for i, value in enumerate(args):
+                    if isinstance(value, Tensor):
+                        if value.requires_grad and value.grad_fn is not None:
+                            self._tap(value, entry(_INPUT, _INPUT_LABELS[i] if i < 16
+                                                   else f"grad_input[{i}]"))
+                    elif isinstance(value, (list, tuple, dict)):
+                        self._tap_nested(value, f"grad_input[{i}]", _INPUT, entry)
+                if kwargs:
+                    self._tap_nested(kwargs, "grad_input", _INPUT, entry)
+                if isinstance(output, Tensor):
+                    if output.requires_grad:
+                        self._tap(output, entry(_OUTPUT, "grad_output[0]"))
+                else:
+                    self._tap_nested(output, "grad_output", _OUTPUT, entry)
             except Exception as exc:  # numguard's failure must not kill the job
                 self._give_up(f"tapping the gradients of {name or 'the root'} ({class_name})", exc)
             return None
 
         return forward_hook
+
+    def _tap_nested(self, value, prefix, kind, entry):
+        for label, tensor in _tensors(value, prefix):
+            if tensor.requires_grad and (kind == _OUTPUT or tensor.grad_fn is not None):
+                self._tap(tensor, entry(kind, label))
 
     def _tap(self, tensor, entry):
         tap = getattr(tensor, "_numguard_grad_tap", None)

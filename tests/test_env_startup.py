@@ -252,3 +252,22 @@ def test_two_ranks_unmodified_script(job_env, overflow):
         else:
             assert code == 0, stderr
             assert "finished 3 steps" in stdout
+
+
+def test_dist_check_and_log_level_variables_take_effect(job_env):
+    code = """
+import logging, sys
+import torch
+guard = sys.modules["numguard.distributed.guard"]._installed
+print(guard is not None and guard.active, logging.getLogger("numguard").level)
+"""
+    out = run(["-c", code], job_env(NUMGUARD="1", NUMGUARD_DIST_CHECK="1", NUMGUARD_LOG_LEVEL="debug"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", str(10)]
+
+
+def test_numguard_off_ignores_dist_check(job_env):
+    out = run(["-c", "import sys, torch; print('numguard' in sys.modules)"],
+              job_env(NUMGUARD_DIST_CHECK="1"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
