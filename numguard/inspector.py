@@ -172,10 +172,7 @@ def _flatten_frame(args, kwargs, output, extras):
                 xs.append(v)
                 labels.append(lab)
                 kinds.append(_T | _EXTRA)
-            elif v is None:
-                labels.append(lab)
-                kinds.append(_NONE | _EXTRA)
-            else:
+            elif v is not None:  # keyword arguments left at None carry nothing to show
                 labels.append(lab)
                 kinds.append(_NOT | _EXTRA)
                 _flatten_extra(v, lab, xs, labels, kinds, 1)
@@ -1017,6 +1014,7 @@ class Inspector:
     def _handle_headroom(self, host_ring, boundary):
         R = host_ring.shape[0]
         limit = self.headroom
+        reported = set()  # a tensor seen by several modules is reported for the first (its producer)
         for f in self._frames[:boundary]:
             owner = f[_F_OWNER]
             if owner.headroom == 0.0:
@@ -1029,8 +1027,9 @@ class Inspector:
                 p = f[_F_POS][t]
                 t += 1
                 dmax = _LOW_PRECISION.get(dtype)
-                if dmax is None or p < self._pos - R:
+                if dmax is None or p < self._pos - R or p in reported:
                     continue
+                reported.add(p)
                 value = float(host_ring[p % R][_report.ABS_MAX])
                 if value > limit * dmax:
                     self._warn_headroom(owner, label, value, dtype, dmax)

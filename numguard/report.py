@@ -151,7 +151,7 @@ def headroom_lines(frames, limit: int = 5) -> list[str]:
     out = ["Headroom (abs max as a fraction of the dtype's largest finite value, closest first):"]
     for fraction, abs_max, dtype, name, cls, label in rows[:limit]:
         shown = "overflow" if math.isinf(fraction) else f"{fraction:8.1%}"
-        out.append(f"{shown:>8} {abs_max:8.2e} {dtype.replace('torch.', '')} {name} {cls} {label}")
+        out.append(f"{shown:>8} {abs_max:8.2e} {dtype.replace('torch.', '')} {name or '(root)'} {cls} {label}")
     return out
 
 
@@ -180,6 +180,7 @@ def render(report: dict, extras: bool = True) -> str:
             more.append(f"Last {len(group)} {section} frames:")
             more.append(TABLE_HEADER)
             more.extend(frame_text(f, extras) for f in group)
+            more.append("")
         more.extend(summary_lines(report))
         more.extend(headroom_lines(frames))
         if more:

@@ -540,3 +540,12 @@ def test_invalid_arguments_name_the_value():
     with pytest.raises(ValueError, match="headroom=2"):
         numguard.watch(model, headroom=2)
     assert all_hooks(model) == 0
+
+
+def test_demo_trains_until_overflow_and_reports(capsys):
+    from numguard import demo
+    assert demo.main(["--steps", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "[headroom warning]" in out and "transformer.h.1.mlp.c_fc" in out
+    assert "Detected inf/nan during batch_number=" in out
+    assert "numguard stopped training" in out
