@@ -251,8 +251,6 @@ def scenario_missing(rank, world):
     t0 = time.monotonic()
     r = _catch(lambda: ngd.check_shapes(torch.zeros(3), op="torch.distributed.all_reduce"))
     r["elapsed"] = time.monotonic() - t0
-    if rank == 0:
-        time.sleep(1)  # rank 0 hosts the store: let the other ranks read it before leaving
     return {"check": r}
 
 
@@ -306,6 +304,13 @@ def scenario_world4(rank, world):
     res["trip_details"] = ngd.gather_trip_details(
         f"model.layers.{rank}.mlp" if rank in (1, 3) else None, 2)
     res["long_name"] = ngd.gather_trip_details("m" * 1000 if rank == 0 else None, 0)
+    # Subgroups: every rank creates both; ranks 0,1 agree, ranks 2,3 do not.
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[rank // 2]
+    res["subgroup"] = _catch(lambda: ngd.check_shapes(
+        torch.zeros(5 if rank != 3 else 6), op="sub", group=mine))
     return res
 
 
@@ -360,6 +365,13 @@ def main(argv):
     with open(out + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(out + ".tmp", out)
+    if os.environ.get("RANK") == "0":
+        # Rank 0 hosts the store: stay until every rank has written its result (bounded).
+        world = int(os.environ["WORLD_SIZE"])
+        paths = [os.path.join(os.path.dirname(out), f"r{r}.json") for r in range(world)]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(os.path.exists(p) for p in paths):
+            time.sleep(0.05)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -328,3 +328,22 @@ def test_coordinated_trip_through_watch():
     assert "Detected inf/nan during batch_number=2" in r1["report"]
     assert "     nan      nan input[0]" in r1["report"]
     assert r1["report"] in r1["printed"]
+
+
+def test_subgroups(world4):
+    assert world4[0]["subgroup"] == {"ok": None} and world4[1]["subgroup"] == {"ok": None}
+    m2, m3 = world4[2]["subgroup"], world4[3]["subgroup"]
+    assert m2["exc"] == m3["exc"] == "DistributedOperationException"
+    assert m2["msg"] == m3["msg"]
+    # processes are numbered by their rank in the group
+    assert "  - Process 0: [5]\n  - Process 1: [6]" in m2["msg"]
+
+
+def test_dist_check_env_installs_the_guard_on_import():
+    import subprocess
+    code = ("import torch.distributed as d; f = d.all_reduce; import numguard.distributed as n; "
+            "print(d.all_reduce is not f, n.guard_collectives() is n.guard.installed_guard())")
+    env = dict(os.environ, NUMGUARD_DIST_CHECK="1", PYTHONPATH=dist_workers.ROOT)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=dist_workers.ROOT, timeout=60, env=env)
+    assert out.stdout.split() == ["True", "True"], out.stderr
