@@ -14,12 +14,14 @@ namespace numguard {
 namespace cpu {
 
 // NOTE: [fast blocks]
-// Floating runs are scanned in blocks of kFastBlockBytes. A block first gets only the unsigned min
-// and max of its magnitude bits (two vector ops per vector of input). If min >= min_normal and
-// max < finite_limit, every value of the block is normal, finite and non-zero and those two
-// numbers are the block's whole contribution (FloatStatsAccum::add_normal_range). Otherwise the
-// block, still in L1, is scanned again with the full bookkeeping. Typical weights, activations
-// and gradients take the fast path almost everywhere, which keeps the kernel memory-bound.
+// Floating runs are scanned in blocks of kFastBlockBytes. A block first gets only three unsigned
+// reductions of its magnitude bits m: min(m), max(m) and min(m - 1) (zeros wrap to all-ones and
+// drop out of the last one). If max < finite_limit and min(m - 1) >= min_normal - 1, every value
+// of the block is finite and either zero or normal: those three numbers, plus a count of zeros
+// when min(m) == 0 (a second pass over the block, still in L1), are the block's whole
+// contribution. Only blocks holding a NaN, an Inf or a subnormal are scanned again with the full
+// bookkeeping. Weights, activations (ReLU zeros included) and gradients take the fast path almost
+// everywhere, which keeps the kernel memory-bound.
 constexpr int64_t kFastBlockBytes = 4096;
 
 // Full-bookkeeping scans count in the element's own unsigned width within sub-blocks small enough

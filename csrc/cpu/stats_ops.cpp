@@ -33,7 +33,12 @@ constexpr const char* kSupportedDtypes =
     "float64, float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int8, int16, int32, int64, uint8, "
     "uint16, uint32, uint64, bool";
 
-DtypeInfo dtype_info(const at::Tensor& x, const std::string& name) {
+// Index-named argument, e.g. "xs[3]" (built only for error messages).
+std::string arg_name(const char* what, int64_t index) {
+  return index < 0 ? std::string(what) : std::string(what) + "[" + std::to_string(index) + "]";
+}
+
+DtypeInfo dtype_info(const at::Tensor& x, const char* what, int64_t index) {
   switch (x.scalar_type()) {
     case at::kDouble: return {Kind::F64, 8, &kFloat64Format};
     case at::kFloat: return {Kind::F32, 4, &kFloat32Format};
@@ -52,6 +57,7 @@ DtypeInfo dtype_info(const at::Tensor& x, const std::string& name) {
     case at::kBool: return {Kind::Bool, 1, nullptr};
     default: break;
   }
+  const std::string name = arg_name(what, index);
   TORCH_CHECK_TYPE(!x.is_complex(), "numguard: ", name, " has complex dtype ", x.scalar_type(),
                    "; stats are defined for real tensors: pass torch.view_as_real(", name,
                    ") to check its real and imaginary parts");
@@ -60,16 +66,12 @@ DtypeInfo dtype_info(const at::Tensor& x, const std::string& name) {
   return {};  // unreachable
 }
 
-// Index-named argument, e.g. "xs[3]".
-std::string arg_name(const char* what, int64_t index) {
-  return index < 0 ? std::string(what) : std::string(what) + "[" + std::to_string(index) + "]";
-}
-
-void check_input(const at::Tensor& x, const std::string& name) {
-  TORCH_CHECK(x.defined(), "numguard: ", name, " is an undefined tensor; pass a real tensor");
-  TORCH_CHECK(x.layout() == at::kStrided, "numguard: ", name, " has layout ", x.layout(),
-              "; only dense (strided) tensors are supported: pass ", name, ".to_dense()");
-  TORCH_CHECK(x.device().is_cpu(), "numguard: ", name, " is on ", x.device(),
+// TORCH_CHECK builds its message only when the check fails: no string work per tensor otherwise.
+void check_input(const at::Tensor& x, const char* what, int64_t index) {
+  TORCH_CHECK(x.defined(), "numguard: ", arg_name(what, index), " is an undefined tensor; pass a real tensor");
+  TORCH_CHECK(x.layout() == at::kStrided, "numguard: ", arg_name(what, index), " has layout ", x.layout(),
+              "; only dense (strided) tensors are supported: pass ", arg_name(what, index), ".to_dense()");
+  TORCH_CHECK(x.device().is_cpu(), "numguard: ", arg_name(what, index), " is on ", x.device(),
               " but this is the CPU kernel; all tensors of one call must be on one device");
 }
 
@@ -294,17 +296,16 @@ std::vector<Plan> make_plans(at::TensorList xs, const char* what) {
   std::vector<Plan> plans;
   plans.reserve(xs.size());
   for (size_t i = 0; i < xs.size(); ++i) {
-    const std::string name = arg_name(what, static_cast<int64_t>(i));
-    check_input(xs[i], name);
-    plans.push_back(make_plan(xs[i], dtype_info(xs[i], name)));
+    check_input(xs[i], what, static_cast<int64_t>(i));
+    plans.push_back(make_plan(xs[i], dtype_info(xs[i], what, static_cast<int64_t>(i))));
   }
   return plans;
 }
 
 at::Tensor tensor_stats_cpu(const at::Tensor& x) {
-  check_input(x, "x");
+  check_input(x, "x", -1);
   std::vector<Plan> plans;
-  plans.push_back(make_plan(x, dtype_info(x, "x")));
+  plans.push_back(make_plan(x, dtype_info(x, "x", -1)));
   at::Tensor out = at::empty({kNumStats}, x.options().dtype(at::kDouble));
   compute_records(plans, out.mutable_data_ptr<double>());
   return out;
