@@ -42,7 +42,15 @@ namespace {
 // Tensors at least this large are split over blocks; smaller ones are read by one block.
 constexpr int64_t kMinChunkBytes = 32 * 1024;
 
-ElementKind element_kind(const at::Tensor& x, const std::string& what) {
+// How errors name argument i: `x` for tensor_stats, `xs[i]` for the list ops. Built only when an
+// error is raised (TORCH_CHECK evaluates its message arguments lazily).
+struct ArgName {
+  bool single;
+  int64_t index;
+  std::string str() const { return single ? std::string("x") : "xs[" + std::to_string(index) + "]"; }
+};
+
+ElementKind element_kind(const at::Tensor& x, const ArgName& what) {
   switch (x.scalar_type()) {
     case at::kDouble: return ElementKind::kFloat64;
     case at::kFloat: return ElementKind::kFloat32;
@@ -61,10 +69,10 @@ ElementKind element_kind(const at::Tensor& x, const std::string& what) {
     case at::kBool: return ElementKind::kBool;
     default: break;
   }
-  TORCH_CHECK_TYPE(!x.is_complex(), "numguard: ", what, " has complex dtype ", x.scalar_type(),
+  TORCH_CHECK_TYPE(!x.is_complex(), "numguard: ", what.str(), " has complex dtype ", x.scalar_type(),
                    "; stats are defined for real tensors: pass torch.view_as_real(x) to check its real and "
                    "imaginary parts");
-  TORCH_CHECK_TYPE(false, "numguard: ", what, " has dtype ", x.scalar_type(),
+  TORCH_CHECK_TYPE(false, "numguard: ", what.str(), " has dtype ", x.scalar_type(),
                    ", which numguard does not support: convert it to a floating or integer dtype first");
   return ElementKind::kFloat32;  // unreachable
 }
@@ -85,13 +93,21 @@ struct DenseView {
 // (contiguous, transposed, permuted, channels_last), the tensor is the dense range starting at its
 // data pointer and is read in place. Only other layouts (slices with gaps, overlapping views)
 // are copied, once, to a contiguous temporary on the current stream.
-DenseView dense_view(const at::Tensor& x, const std::string& what, std::vector<at::Tensor>& keep_alive) {
-  TORCH_CHECK(x.layout() == at::kStrided, "numguard: ", what, " has layout ", x.layout(),
+DenseView dense_view(const at::Tensor& input, const ArgName& what, std::vector<at::Tensor>& keep_alive) {
+  TORCH_CHECK(input.layout() == at::kStrided, "numguard: ", what.str(), " has layout ", input.layout(),
               "; only dense (strided) tensors are supported: pass x.to_dense()");
+  // A lazily negated view holds the values un-negated in memory: +Inf and -Inf would swap.
+  const at::Tensor x = input.is_neg() ? input.resolve_neg() : input;
+  if (input.is_neg()) keep_alive.push_back(x);
   DenseView view;
   view.kind = element_kind(x, what);
   view.element_size = static_cast<int64_t>(x.element_size());
   if (x.numel() == 0) return view;
+  if (x.is_contiguous()) {  // the common case, without the general analysis below
+    view.data = x.const_data_ptr();
+    view.numel = x.numel();
+    return view;
+  }
   std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dims that remain
   std::vector<int64_t> kept_sizes, kept_strides;
   for (int64_t d = 0; d < x.dim(); ++d) {
@@ -136,9 +152,9 @@ void compute_records(at::TensorList xs, double* records, double* max_values, con
   std::vector<DenseView> views;
   views.reserve(n);
   for (int64_t i = 0; i < n; ++i) {
-    const std::string what = single ? std::string("x") : "xs[" + std::to_string(i) + "]";
-    TORCH_CHECK(xs[i].defined(), "numguard: ", what, " is an undefined tensor");
-    TORCH_CHECK(xs[i].device() == device, "numguard: ", what, " is on ", xs[i].device(), " but xs[0] is on ",
+    const ArgName what{single, i};
+    TORCH_CHECK(xs[i].defined(), "numguard: ", what.str(), " is an undefined tensor");
+    TORCH_CHECK(xs[i].device() == device, "numguard: ", what.str(), " is on ", xs[i].device(), " but xs[0] is on ",
                 device, "; all tensors of one call must be on one device: split the call per device");
     views.push_back(dense_view(xs[i], what, keep_alive));
   }
