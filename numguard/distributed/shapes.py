@@ -258,12 +258,18 @@ def _fmt_shape(shape) -> str:
     return "[" + ", ".join("*" if d == -1 else str(d) for d in shape) + "]"
 
 
-def mismatch_message(out: bytearray, world: int, obj, op: str) -> str:
+def mismatch_message(out: bytearray, world: int, obj, op: str, me: int | None = None) -> str:
     """The message every rank raises. It depends only on the gathered records, so every rank
-    reports the same differences; dict keys this rank does not have show as ``<key #hash>``."""
+    reports the same differences; dict keys this rank does not have show as ``<key #hash>``, and
+    a description too large for the record is shown in full only by its own rank (``me``)."""
     records = [_Record(out, r) for r in range(world)]
     keys: dict = {}
     _local_keys(obj, keys)
+    if me is not None and records[me].valid and not records[me].complete:
+        # Too large for the record: this rank can still show its own description in full.
+        tokens: list = []
+        _describe(obj, tokens, [])
+        records[me].tokens, records[me].complete = tokens, True
     parsed = []
     for rec in records:
         leaves: list = []
@@ -409,9 +415,10 @@ def check_shapes(obj, op: str | None = None, group=None, timeout: float | None =
     for r in range(1, st.world):
         magic, full = struct.unpack_from("<2q", out, r * stride)
         if magic != magic0 or full != full0:
-            raise DistributedOperationException(mismatch_message(out, st.world, obj, op_name))
+            raise DistributedOperationException(
+                mismatch_message(out, st.world, obj, op_name, st.rank))
     if magic0 != _MAGIC:
-        raise DistributedOperationException(mismatch_message(out, st.world, obj, op_name))
+        raise DistributedOperationException(mismatch_message(out, st.world, obj, op_name, st.rank))
 
 
 def _c10d_not_in_group(group) -> bool:
