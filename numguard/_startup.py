@@ -172,7 +172,10 @@ class AutoWatcher:
     # NOTE: [root detection cost] This hook runs before every module call in the process. Inside a
     # watched root it returns after one integer test; the rest runs once per new root.
     def _global_pre_hook(self, module, args):
-        if self.running or module in self.covered or self._is_compiling():
+        # is_compiling() first: under torch.compile this hook then traces to nothing (no guard on
+        # this watcher's state). A model compiled in place (Module.compile) is therefore only
+        # watched when the script calls numguard.watch itself.
+        if self._is_compiling() or self.running or module in self.covered:
             return None
         return self._new_root(module, args)
 

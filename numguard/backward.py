@@ -237,6 +237,12 @@ class BackwardWatcher:
         if self.closed or not self._params_in(optimizer):
             return
         self.scaler_skipped_steps += 1
+        import logging
+
+        logging.getLogger("numguard").info(
+            "numguard: GradScaler skipped the optimizer step of batch_number=%s (inf/NaN in the "
+            "scaled gradients); %d step(s) skipped so far (scaler_skips=%r)",
+            getattr(self.inspector, "batch_number", "?"), self.scaler_skipped_steps, self.scaler_skips)
         start, self._step_start = self._step_start, None
         self.recorded_since_check = False
         if self.scaler_skips == "trip":

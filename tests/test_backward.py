@@ -131,14 +131,17 @@ def _scaler_loop(model, scaler, opt, steps, bad_step, value):
     return weights
 
 
-def test_gradscaler_skip_is_counted_not_a_trip():
+def test_gradscaler_skip_is_counted_not_a_trip(caplog):
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    with numguard.watch(model, **quiet(backward=True)) as insp:
-        weights = _scaler_loop(model, scaler, opt, 4, 1, float("inf"))
-        watcher = insp._backward_watch
-        assert watcher.scaler_skipped_steps == 1
+    with caplog.at_level("INFO", logger="numguard"):
+        with numguard.watch(model, **quiet(backward=True)) as insp:
+            weights = _scaler_loop(model, scaler, opt, 4, 1, float("inf"))
+            watcher = insp._backward_watch
+            assert watcher.scaler_skipped_steps == 1
+    skips = [r.getMessage() for r in caplog.records if "GradScaler skipped" in r.getMessage()]
+    assert len(skips) == 1 and "batch_number=1" in skips[0]
     before, after = weights[1]
     assert all(torch.equal(a, b) for a, b in zip(before, after))        # the skipped step
     before, after = weights[2]

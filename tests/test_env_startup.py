@@ -271,3 +271,28 @@ def test_numguard_off_ignores_dist_check(job_env):
               job_env(NUMGUARD_DIST_CHECK="1"))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_compiled_model_in_an_unmodified_script(job_env):
+    code = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+compiled = torch.compile(model)
+x = torch.randn(4, 8)
+for step in range(4):
+    if step == 2:
+        with torch.no_grad():
+            model[2].weight[0, 0] = float("nan")
+    compiled(x).sum().backward()
+    print("step", step, flush=True)
+"""
+    out = run(["-c", code], job_env(NUMGUARD="1"))
+    assert out.returncode != 0
+    assert "step 1" in out.stdout and "step 2" not in out.stdout
+    # The compiled module is the root; its output is the first frame that holds the NaN (like
+    # Transformers, a report whose offender is the root's output names the next batch number).
+    assert "Detected inf/nan during batch_number=" in out.stdout
+    assert "OptimizedModule" in out.stdout
+    assert "NonFiniteError" in out.stderr and "batch_number=2" in out.stderr
