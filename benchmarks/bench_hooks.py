@@ -177,15 +177,17 @@ def bench_model(name, reps, steps, sync_steps):
         step = make_step(model, train_run if training else fwd_run, training, optimizer)
         conds = conditions(training)
         times = {c: [] for c, _ in conds}
+        cpu = {c: [] for c, _ in conds}
         step()  # warm up (allocator, AdamW state)
         for _ in range(reps):
             for cname, make in conds:
                 handle = make(model)
                 try:
                     step()  # first step after attaching: numguard's layout, ring growth
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.thread_time()
                     for _ in range(steps):
                         step()
+                    cpu[cname].append((time.thread_time() - c0) / steps)
                     times[cname].append((time.perf_counter() - t0) / steps)
                 finally:
                     handle.close()
@@ -203,10 +205,13 @@ def bench_model(name, reps, steps, sync_steps):
             finally:
                 handle.close()
         base = statistics.median(times["no hooks"])
+        cpu_base = statistics.median(cpu["no hooks"])
         for cname, _ in conds:
             med = statistics.median(times[cname])
+            cpu_med = statistics.median(cpu[cname])
             rows.append({"model": name, "params": params, "step": "train" if training else "forward",
                          "condition": cname, "median_s": med, "ratio": med / base,
+                         "cpu_median_s": cpu_med, "cpu_ratio": cpu_med / cpu_base, "cpu_samples_s": cpu[cname],
                          "syncs_per_step": syncs[cname], "extra_syncs_per_step": syncs[cname] - syncs["no hooks"],
                          "samples_s": times[cname]})
     return rows
@@ -227,12 +232,15 @@ def main():
     rows = []
     for name in args.models.split(","):
         rows += bench_model(name.strip(), args.reps, args.steps, args.sync_steps)
-    header = f"{'model':9} {'params':>7} {'step':7} {'condition':36} {'median ms':>10} {'ratio':>6} {'syncs/step':>10}"
+    header = (f"{'model':9} {'params':>7} {'step':7} {'condition':36} {'wall ms':>8} {'ratio':>6} "
+              f"{'cpu ms':>8} {'ratio':>6} {'syncs/step':>10}")
+    print("medians over interleaved repetitions; ratio = condition / no hooks (wall clock and this thread's CPU time)")
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r['model']:9} {r['params'] / 1e6:6.1f}M {r['step']:7} {r['condition']:36} "
-              f"{r['median_s'] * 1e3:10.2f} {r['ratio']:6.2f} {r['syncs_per_step']:10.1f}")
+              f"{r['median_s'] * 1e3:8.2f} {r['ratio']:6.2f} {r['cpu_median_s'] * 1e3:8.2f} {r['cpu_ratio']:6.2f} "
+              f"{r['syncs_per_step']:10.1f}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"torch": torch.__version__, "numguard_backend": numguard.backend(),

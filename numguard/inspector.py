@@ -68,6 +68,7 @@ class _STDOUT:  # sentinel: print to whatever sys.stdout is at report time
 
 
 _active: list = []  # inspectors inside a watched forward (for detect_overflow)
+_STRIDED = torch.strided
 
 
 class _Owner:
@@ -87,6 +88,13 @@ class _Owner:
         self.headroom = 0.0
         self.off = False
         self.is_root = False
+
+
+def _device_index(device):
+    """What Tensor.get_device() returns for tensors on `device` (-1 on the CPU)."""
+    if device.type == "cpu":
+        return -1
+    return device.index if device.index is not None else 0
 
 
 def _rank():
@@ -298,6 +306,8 @@ class Inspector:
                 break
         self._device = device if device is not None and device.type != "meta" else torch.device("cpu")
         self._ring, _ = ops.new_ring(max(64, 8 * max_frames_to_save), self._device)
+        self._ring_size = self._ring.shape[0]
+        self._device_index = _device_index(self._device)
         self._state_buf = torch.tensor([0, -1, 0, -1, 0, 0, 0, 0], dtype=torch.int64, device=self._device)
         self._state = self._state_buf[0:4]
         self._pos = 0
@@ -313,6 +323,7 @@ class Inspector:
         self._wtables = {}                # batch -> (device stats [W, 8], layout)
         self._wlayout = None
         self._wlayout_ids = None
+        self._wlast = None                # (layout, parameter versions, stats) for [weight reuse]
         self._w_limits_inv = None
         self._last_check_frames = 0
         self._async_host = None
@@ -479,30 +490,35 @@ class Inspector:
     def _record(self, owner, xs, labels, kinds, section, hf, weights):
         if not self._batch_open:
             self._begin_batch()
-        dtypes = [x.dtype for x in xs]
-        shapes = [x.shape for x in xs]
         pos = self._pos
         seen = self._seen
+        device_index = self._device_index
+        dtypes = []
+        shapes = []
         positions = []
         new = []
-        try:
-            for x in xs:
-                hit = seen.get(id(x))
-                if hit is not None and hit[0]() is x and hit[1] == x._version:
-                    positions.append(hit[2])
-                else:
-                    positions.append(pos + len(new))
-                    new.append(x)
-        except RuntimeError:  # inference tensors have no version counter: record them all
-            positions = list(range(pos, pos + len(xs)))
-            new = list(xs)
+        lo = pos
+        clean = True
+        for x in xs:
+            dtype = x.dtype
+            dtypes.append(dtype)
+            shapes.append(x.shape)
+            hit = seen.get(id(x))
+            # Only tensors with a version counter are ever in `seen` (inference tensors are not).
+            if hit is not None and hit[0]() is x and hit[1] == x._version:
+                p = hit[2]
+                positions.append(p)
+                if p < lo:
+                    lo = p
+            else:
+                positions.append(pos + len(new))
+                new.append(x)
+                if clean and (dtype not in _RECORDABLE or x.get_device() != device_index
+                              or x.layout is not _STRIDED):
+                    clean = False
         fresh = new
-        for x in new:
-            if x.dtype not in _RECORDABLE or x.device != self._device or x.layout != torch.strided:
-                new = self._sanitize(new)
-                break
-        else:
-            new = list(new)
+        if not clean:
+            new = self._sanitize(new)
         batch = self._batches_done if hf else self.batch_number
         if weights and owner.flag is not None and owner.flag_batch != batch:
             # The module's weight flag (NaN when one of its weights is non-finite), first call of the batch.
@@ -510,10 +526,9 @@ class Inspector:
             positions.append(pos + len(new))
             new.append(owner.flag)
         n = len(new)
-        lo = min(positions) if positions else pos
         if n:
-            window = min(lo, self._window_lo) if self._frames else lo
-            if pos + n - window > self._ring.shape[0]:
+            window = lo if not self._frames or lo < self._window_lo else self._window_lo
+            if pos + n - window > self._ring_size:
                 self._grow(pos + n - window)
             ops.record_(self._ring, self._state, new, pos, owner.headroom)
             self._pos = pos + n
@@ -522,7 +537,7 @@ class Inspector:
             try:
                 for i, x in enumerate(fresh):
                     seen[id(x)] = (weakref.ref(x), x._version, pos + i)
-            except (RuntimeError, TypeError):
+            except (RuntimeError, TypeError):  # inference tensors: no version counter, no reuse
                 pass
         bstart = None
         if hf:
@@ -574,6 +589,7 @@ class Inspector:
             positions = torch.arange(lo, self._pos, device=old.device)
             ring.index_copy_(0, positions % new_size, old.index_select(0, positions % size))
         self._ring = ring
+        self._ring_size = new_size
 
     def _drop_frames(self, cut):
         if cut <= 0:
@@ -654,9 +670,23 @@ class Inspector:
             self._move_to(unique[0].device)
             self._build_layout(params, ids)
             layout = self._wlayout
+        # NOTE: [weight reuse] Forward-only batches (grad disabled: evaluation, inference) whose
+        # parameters kept their version counters since the last table reuse it: no launch at all.
+        # Training batches always recompute (an update through `.data` does not bump a version).
+        versions = None
+        if not torch.is_grad_enabled():
+            try:
+                versions = tuple(p._version for p in unique)
+            except RuntimeError:
+                versions = None
+            last = self._wlast
+            if versions is not None and last is not None and last[0] is layout and last[1] == versions:
+                self._wtables[self._batches_done] = (last[2], layout)
+                return
         stats = ops.multi_tensor_stats(unique) if layout["one_device"] else torch.cat(
             [ops.tensor_stats(p).to(self._device).view(1, -1) for p in unique])
         self._wtables[self._batches_done] = (stats, layout)
+        self._wlast = (layout, versions, stats) if versions is not None else None
         bad = (stats[:, _report.NAN] + stats[:, _report.POS_INF] + stats[:, _report.NEG_INF]) > 0
         per_ref = torch.where(bad, math.nan, 0.0).to(torch.float32).index_select(0, layout["wi"])
         flags = layout["flags"]
@@ -713,7 +743,9 @@ class Inspector:
 
     def _move_to(self, device):
         self._device = device
+        self._wlast = None
         self._ring, _ = ops.new_ring(self._ring.shape[0], device)
+        self._device_index = _device_index(device)
         self._state_buf = torch.tensor([0, -1, 0, -1, 0, 0, 0, 0], dtype=torch.int64, device=device)
         self._state = self._state_buf[0:4]
         self._async_host = None

@@ -549,3 +549,26 @@ def test_demo_trains_until_overflow_and_reports(capsys):
     assert "[headroom warning]" in out and "transformer.h.1.mlp.c_fc" in out
     assert "Detected inf/nan during batch_number=" in out
     assert "numguard stopped training" in out
+
+
+def test_forward_only_batches_reuse_weight_stats_until_a_weight_changes(backend, monkeypatch):
+    model = MLP()
+    calls = []
+    real = numguard.ops.multi_tensor_stats
+    monkeypatch.setattr(numguard.ops, "multi_tensor_stats", lambda xs: calls.append(len(xs)) or real(xs))
+    insp = numguard.watch(model, **quiet())
+    with torch.no_grad():
+        for _ in range(4):
+            model(torch.randn(2, 8))
+        assert len(calls) == 1
+        model.a.weight[1, 1] = float("inf")  # in place: bumps the parameter's version
+        with pytest.raises(numguard.NonFiniteError) as info:
+            model(torch.randn(2, 8))
+    assert len(calls) == 2
+    assert info.value.module == "a" and info.value.labels[0] == "weight"
+    with torch.no_grad():
+        model.a.weight[1, 1] = 0.5
+    model(torch.randn(2, 8)).sum().backward()  # grad enabled: recomputed every batch
+    model(torch.randn(2, 8))
+    assert len(calls) == 4
+    insp.close(check=False)
