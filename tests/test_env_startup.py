@@ -296,3 +296,13 @@ for step in range(4):
     assert "Detected inf/nan during batch_number=" in out.stdout
     assert "OptimizedModule" in out.stdout
     assert "NonFiniteError" in out.stderr and "batch_number=2" in out.stderr
+
+
+def test_settings_reach_the_watched_roots(job_env):
+    out = run([SCRIPT, "--steps", "4"],
+              job_env(NUMGUARD="1", NUMGUARD_TRACE_BATCHES="1", NUMGUARD_ABORT_AFTER="1"))
+    assert out.returncode != 0
+    assert "*** Starting batch number=1 ***" in out.stdout
+    assert "*** Starting batch number=0 ***" not in out.stdout
+    assert "abort_after_batch_num=1" in out.stderr
+    assert "step 1 loss" not in out.stdout  # stopped after the forward of batch 1
