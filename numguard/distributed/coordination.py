@@ -123,7 +123,6 @@ class _GroupState:
             self.buffers[words] = bufs
         return bufs
 
-
     def reduce_buffers(self, words: int):
         """(host_bytes, host, dev) int64[words] for numguard's small all_reduces."""
         key = -words
@@ -249,17 +248,17 @@ def _wait(work, st: _GroupState, what: str, site: str, timeout_s: float) -> None
         return
     first = min(_POST_AFTER_S, timeout_s)
     if st.device.type == "cpu":
-        for phase_s in (first, timeout_s - first):
+        # NOTE: a zero timedelta means "no timeout" to Work.wait: every phase waits >= 1 ms.
+        phases = [first] + ([timeout_s - first] if timeout_s - first >= 0.001 else [])
+        for i, phase_s in enumerate(phases):
             try:
-                if work.wait(timedelta(seconds=phase_s)) is not False:
+                if work.wait(timedelta(seconds=max(phase_s, 0.001))) is not False:
                     return
             except RuntimeError as exc:
                 if not _is_timeout(exc):
                     raise _timeout_error(st, what, site, timeout_s, exc) from None
-            if phase_s is first:
+            if i == 0:
                 _post_arrival(st)
-                if timeout_s - first <= 0:
-                    break
         raise _timeout_error(st, what, site, timeout_s, None)
     # CUDA-like backends: Work.wait only orders streams; poll completion from the host.
     start = time.monotonic()
