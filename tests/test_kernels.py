@@ -299,6 +299,47 @@ def test_special_shapes(backend, dtype, device):
     assert_records_equal(got, torch.stack([reference_stats(x) for x in xs]), f"{dtype} multi special shapes")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_block_patterns(backend, dtype, device):
+    """Sequences of blocks of different kinds (clean, ReLU-like with zeros, all-zero, with a
+    subnormal, with a NaN or Inf), in several orders, so that every switch between the kernels'
+    scan paths happens at a block boundary and inside a block."""
+    ops = ops_for(backend, device)
+    gen = torch.Generator().manual_seed(12)
+    block = K["kFastBlockBytes"] // torch.empty((), dtype=dtype).element_size()
+    bits = special_bits(dtype)
+    sub, nan_or_inf = from_bits([bits[2]], dtype), from_bits([bits[-4]], dtype)
+
+    def kind(name):
+        x = ordinary_values(dtype, block, gen, clean=True)
+        raw = x.view(SIGNED_OF_SIZE[x.element_size()])
+        if name == "relu":
+            raw[torch.randperm(block, generator=gen)[: block // 2]] = 0
+        elif name == "zero":
+            raw.zero_()
+        elif name == "last-zero":
+            raw[-1] = 0
+        elif name == "sub":
+            raw[block // 3] = sub.view(raw.dtype)[0]
+        elif name == "nonfinite":
+            raw[block - 2] = nan_or_inf.view(raw.dtype)[0]
+        return x
+
+    orders = [["clean", "relu", "clean", "zero", "sub", "relu", "nonfinite", "clean"],
+              ["relu", "relu", "clean", "clean", "last-zero", "clean"],
+              ["zero", "clean", "sub", "zero", "relu"]]
+    xs = []
+    for order in orders:
+        parts = [kind(name) for name in order]
+        whole = torch.cat([p.view(SIGNED_OF_SIZE[p.element_size()]) for p in parts]).view(dtype)
+        xs += [whole, whole[: len(whole) - block // 2], whole[block // 2 + 1:]]
+    with no_host_sync(device):
+        got = ops.multi_tensor_stats([x.to(device) for x in xs])
+    assert_records_equal(got, torch.stack([reference_stats(x) for x in xs]), f"{dtype} block patterns")
+
+
 def layout_cases(dtype, gen):
     """Views that are not contiguous: transposed, permuted, channels_last, sliced (unit and
     non-unit inner stride, short and long runs), expanded (stride 0), overlapping."""
