@@ -304,6 +304,7 @@ def scenario_world4(rank, world):
     # Coordination helpers the inspector uses.
     flags = ngd.exchange_trip(torch.tensor(1 if rank in (1, 3) else 0))
     res["trip_flags"] = flags.tolist()
+    res["trip_flags_nb"] = ngd.exchange_trip(torch.tensor(rank == 0), blocking=False).tolist()
     res["trip_details"] = ngd.gather_trip_details(
         f"model.layers.{rank}.mlp" if rank in (1, 3) else None, 2)
     res["long_name"] = ngd.gather_trip_details("m" * 1000 if rank == 0 else None, 0)

@@ -308,6 +308,7 @@ def test_triggers(world4):
 def test_trip_exchange_helpers(world4):
     for r in world4:
         assert r["trip_flags"] == [0, 1, 0, 1]
+        assert r["trip_flags_nb"] == [1, 0, 0, 0]
         assert r["trip_details"] == [[1, "model.layers.1.mlp"], [3, "model.layers.3.mlp"]]
         (rank, name), = r["long_name"]
         assert rank == 0 and name.endswith("...") and set(name[:-3]) == {"m"}

@@ -328,13 +328,18 @@ def wait_work(st: _GroupState, work, seq: int, what: str, site: str, timeout_s: 
 # ---------------------------------------------------------------------------------------------
 # Coordinated trips (called by the inspector at the end of a checked batch)
 
-def exchange_trip(tripped: torch.Tensor, group=None) -> torch.Tensor:
+def exchange_trip(tripped: torch.Tensor, group=None, blocking: bool | None = None) -> torch.Tensor:
     """Share this rank's trip flag with every rank in ONE all_reduce.
 
     Args:
         tripped: 0-dim integer tensor (nonzero = this rank tripped) on any device; copied to the
             group's collective device (no host sync when it is already there).
         group: process group (default group when None).
+        blocking: wait for the result, with the ``NUMGUARD_DIST_TIMEOUT`` check that names
+            missing ranks. Default: True when the collective device is the CPU (gloo); False on
+            CUDA (nccl), where the all_reduce is only enqueued on the current stream so the
+            caller's own device->host read (or event) is the only sync, and a rank that never
+            arrives is caught by the NCCL watchdog.
 
     Returns int64[world_size] on the collective device: entry ``r`` is rank ``r``'s flag.
     Without an initialized process group, returns ``tripped`` as a 1-element int64 tensor.
@@ -347,8 +352,16 @@ def exchange_trip(tripped: torch.Tensor, group=None) -> torch.Tensor:
     if src.dtype != torch.int64:
         src = src.to(torch.int64)
     flags[st.rank].copy_(src, non_blocking=src.device.type != "cpu" and st.device.type != "cpu")
-    timed_all_reduce(st, flags, dist.ReduceOp.SUM, "numguard trip exchange (all_reduce)",
-                     call_site())
+    if blocking is None:
+        blocking = st.device.type == "cpu"
+    what = "numguard trip exchange (all_reduce)"
+    if blocking:
+        timed_all_reduce(st, flags, dist.ReduceOp.SUM, what, call_site())
+    else:
+        _mark_arrival(st)
+        work = _c10d.all_reduce(flags, op=dist.ReduceOp.SUM, group=st.group, async_op=True)
+        if work is not None:
+            work.wait()  # stream-ordered on CUDA: no host sync
     return flags
 
 
