@@ -215,6 +215,10 @@ def scenario_guard(rank, world):
             elif name == "all_to_all_single":
                 dist.all_to_all_single(torch.zeros(4, 3 + rank), torch.zeros(4, 3 + rank),
                                        [2, 2], [2, 2])
+            elif name == "all_gather_own_entry":
+                # uneven output list (as NCCL allows); rank 1 contributes the wrong size
+                outs = [torch.zeros(2), torch.zeros(3)]
+                dist.all_gather(outs, torch.zeros(2 if rank == 0 else 4))
             elif name == "broadcast_src":
                 dist.broadcast(torch.zeros(3), src=rank)
             elif name == "all_reduce_op":
@@ -224,7 +228,8 @@ def scenario_guard(rank, world):
     res["bad"] = {n: _catch(bad(n)) for n in ("all_reduce", "broadcast", "reduce", "all_gather",
                                                "all_gather_into_tensor", "reduce_scatter_tensor",
                                                "gather", "scatter", "all_to_all_single",
-                                               "broadcast_src", "all_reduce_op")}
+                                               "broadcast_src", "all_reduce_op",
+                                               "all_gather_own_entry")}
     g1.remove()
     g1.remove()
     res["restored"] = all(getattr(dist, n) is f for n, f in originals.items())

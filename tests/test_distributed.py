@@ -253,6 +253,13 @@ def test_guard_compares_root_and_reduce_op(guard2):
     assert "arguments `op=MAX` instead of `op=SUM`" in msgs[0]["msg"]
 
 
+def test_guard_all_gather_uneven_list(guard2):
+    msgs = [r["bad"]["all_gather_own_entry"] for r in guard2]
+    assert all(m.get("exc") == "DistributedOperationException" for m in msgs), msgs
+    assert ("Process 1: arguments `tensor_list of 2, own tensor does NOT match its entry` instead "
+            "of `tensor_list of 2, own tensor matches its entry`") in msgs[0]["msg"]
+
+
 def test_guard_undo(guard2):
     for r in guard2:
         assert r["restored"] and r["context_wrapped"] and r["new_handle"]

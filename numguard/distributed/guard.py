@@ -14,7 +14,11 @@ the src/dst rank must agree too where the collective has them):
 collective                                  checked
 ==========================================  ================================================
 all_reduce, broadcast, reduce               ``tensor``
-all_gather, gather                          the tensor this rank contributes
+all_gather                                  the tensor this rank contributes and the
+                                            length of ``tensor_list``; with uneven entries
+                                            (NCCL) the list itself, and that each rank's
+                                            tensor matches its own entry
+gather                                      the tensor this rank contributes
 all_gather_single / all_gather_into_tensor  ``input_tensor`` and ``output_tensor``
 reduce_scatter_single / _tensor             ``input`` and ``output``
 scatter                                     ``tensor`` (the receive buffer; ``scatter_list``
@@ -54,6 +58,35 @@ def _in_out(out_name, in_name):
     def spec(args, kwargs):
         return {out_name: _arg(args, kwargs, 0, out_name), in_name: _arg(args, kwargs, 1, in_name)}
     return spec
+
+
+def _all_gather(args, kwargs):
+    """all_gather: ranks must agree on the output list; each rank's contribution must match its
+    own entry. With equal entries (the common case) that is the contributed tensor itself."""
+    outs = _arg(args, kwargs, 0, "tensor_list")
+    tensor = _arg(args, kwargs, 1, "tensor")
+    if (isinstance(outs, (list, tuple)) and outs and isinstance(tensor, torch.Tensor)
+            and all(isinstance(t, torch.Tensor) for t in outs)
+            and any(t.shape != outs[0].shape for t in outs)):
+        return {"tensor_list": list(outs)}  # uneven sizes (NCCL): the list is what must agree
+    return tensor
+
+
+def _all_gather_details(args, kwargs, group):
+    outs = _arg(args, kwargs, 0, "tensor_list")
+    tensor = _arg(args, kwargs, 1, "tensor")
+    if not isinstance(outs, (list, tuple)) or not isinstance(tensor, torch.Tensor):
+        return ""
+    n = f"tensor_list of {len(outs)}"
+    if outs and all(isinstance(t, torch.Tensor) for t in outs):
+        if all(t.shape == outs[0].shape for t in outs):
+            return n
+        me = dist.get_rank(group)
+        own = outs[me] if 0 <= me < len(outs) else None
+        ok = own is not None and own.shape == tensor.shape and own.dtype == tensor.dtype
+        return n + (", own tensor matches its entry" if ok else
+                    ", own tensor does NOT match its entry")
+    return n
 
 
 def _all_to_all_single(args, kwargs):
@@ -105,7 +138,7 @@ _COLLECTIVES = {
     "all_reduce": (_first("tensor", 0), 2, _reduce_op(1)),
     "broadcast": (_first("tensor", 0), 2, _root(1, "src")),
     "reduce": (_first("tensor", 0), 3, _root(1, "dst", op_index=2)),
-    "all_gather": (_first("tensor", 1), 2, None),
+    "all_gather": (_all_gather, 2, _all_gather_details),
     "gather": (_first("tensor", 0), 3, _root(2, "dst")),
     "scatter": (_first("tensor", 0), 3, _root(2, "src")),
     "all_gather_single": (_in_out("output_tensor", "input_tensor"), 2, None),
