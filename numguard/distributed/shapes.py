@@ -1,5 +1,13 @@
 """``check_shapes``: every rank describes what it is about to pass to a collective (structure,
-shapes, dtypes, operation, call site) in ONE fixed-size int64 record and all-gathers it once.
+shapes, dtypes, operation, other arguments, call site) in ONE fixed-size int64 record, without
+pickling.
+
+How ranks agree (NOTE: [agreement by all_reduce]): a healthy check is ONE all_reduce(MAX) of two
+int64 (the record's 62-bit hash and its negation) on the group's collective device; the ranks
+all-gather the full records (one [world, 256] int64 all_gather into a preallocated buffer) only
+when the hashes differ, to write the message. Measured on gloo (benchmarks/bench_distributed.py),
+the all_reduce of 16 bytes costs less than all-gathering 2 KiB per rank on every check
+(``FAST_PATH = "all_gather"`` does that, for comparison).
 
 NOTE: [check record layout]
 Each rank sends ``RECORD_WORDS`` (256) int64 words, rank-major in the gathered buffer:
@@ -24,8 +32,8 @@ word    meaning
 Description tokens, depth first: a tensor is ``1, dtype code, ndim, dims...``; a list ``2, n``;
 a tuple ``3, n``; a dict ``4, n`` then, per item, a 63-bit hash of ``repr(key)`` and the value;
 None ``5``; any other leaf ``6, type code`` (scalar values are not compared).
-No pickling: the record is built with ``struct`` in a preallocated buffer and compared on the host
-by its two hash words; only on a mismatch are the tokens decoded to write the message.
+The record is built with ``struct`` in a preallocated buffer; only on a mismatch are the tokens
+decoded to write the message.
 """
 from __future__ import annotations
 
