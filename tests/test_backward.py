@@ -268,3 +268,39 @@ def test_invalid_scaler_skips():
     with pytest.raises(ValueError, match="scaler_skips='sometimes'"):
         ng_backward.BackwardWatcher(insp, model, scaler_skips="sometimes")
     insp.close()
+
+
+def test_async_backward_steps_never_read_the_device():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(3, 4)
+
+    def step():
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    with numguard.watch(model, **quiet(backward=True, check="async")):
+        step()
+        step()
+        dispatch, methods = SyncCounter(), MethodSyncCounter()
+        with dispatch, methods:
+            for _ in range(4):
+                step()
+    assert dispatch.count + methods.count == 0, (dispatch.count, methods.count)
+
+
+def test_async_backward_nan_is_found_at_the_next_check():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(3, 4)
+    with numguard.watch(model, **quiet(backward=True, check="async")):
+        with pytest.raises(numguard.NonFiniteError) as info:
+            for step in range(4):
+                model[2].value = float("nan") if step == 1 else None
+                loss = model(x).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    assert info.value.module == "2" and info.value.batch_number == 1
