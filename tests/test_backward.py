@@ -47,6 +47,10 @@ class ScaledByBadWeight(nn.Module):
         return x * w
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="no CUDA device"))]
+
+
 def make_model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), Gate(), nn.Linear(8, 2))
@@ -61,10 +65,11 @@ def quiet(**kw):
     return kw
 
 
-def test_backward_only_nan_is_named_and_raised_before_the_step():
-    model = make_model()
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_only_nan_is_named_and_raised_before_the_step(device):
+    model = make_model().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(3, 4)
+    x = torch.randn(3, 4, device=device)
     with numguard.watch(model, **quiet(backward=True)):
         for step in range(3):
             model[2].value = float("nan") if step == 1 else None
@@ -117,7 +122,7 @@ def test_forward_only_watch_ignores_gradients():
 
 
 def _scaler_loop(model, scaler, opt, steps, bad_step, value):
-    x = torch.randn(3, 4)
+    x = torch.randn(3, 4, device=next(model.parameters()).device)
     weights = []
     for step in range(steps):
         model[2].value = value if step == bad_step else None
@@ -131,10 +136,11 @@ def _scaler_loop(model, scaler, opt, steps, bad_step, value):
     return weights
 
 
-def test_gradscaler_skip_is_counted_not_a_trip(caplog):
-    model = make_model()
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradscaler_skip_is_counted_not_a_trip(caplog, device):
+    model = make_model().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler = torch.amp.GradScaler(device, init_scale=1024.0)
     with caplog.at_level("INFO", logger="numguard"):
         with numguard.watch(model, **quiet(backward=True)) as insp:
             weights = _scaler_loop(model, scaler, opt, 4, 1, float("inf"))
