@@ -165,6 +165,18 @@ class AutoWatcher:
             inspector.close()
         self.inspectors.clear()
 
+    def _root_died(self, ref):
+        """A watched root was garbage-collected (e.g. a loss module made anew every step): drop
+        its inspector, so that roots made per step do not pile up."""
+        for i, (root_ref, inspector) in enumerate(self.inspectors):
+            if root_ref is ref:
+                del self.inspectors[i]
+                try:
+                    inspector.close(check=False)
+                except Exception:  # noqa: BLE001 - never raise from a garbage-collection callback
+                    pass
+                break
+
     def roots(self):
         """The modules watched as roots, oldest first (those still alive)."""
         return [ref() for ref, _ in self.inspectors if ref() is not None]
@@ -214,7 +226,7 @@ class AutoWatcher:
             return None
         import weakref
 
-        self.inspectors.append((weakref.ref(module), inspector))
+        self.inspectors.append((weakref.ref(module, self._root_died), inspector))
         # This call already runs: torch took its list of pre-hooks before ours ran, so run the
         # ones watch() just added, and count this call as running (its forward hooks will run).
         new_args = None

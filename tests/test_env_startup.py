@@ -306,3 +306,21 @@ def test_settings_reach_the_watched_roots(job_env):
     assert "*** Starting batch number=0 ***" not in out.stdout
     assert "abort_after_batch_num=1" in out.stderr
     assert "step 1 loss" not in out.stdout  # stopped after the forward of batch 1
+
+
+def test_roots_made_anew_every_step_do_not_pile_up(job_env):
+    code = """
+import gc
+import torch
+from torch import nn
+model = nn.Linear(4, 2)
+for _ in range(30):
+    loss = nn.MSELoss()(model(torch.randn(3, 4)), torch.zeros(3, 2))  # a new loss module per step
+    loss.backward()
+gc.collect()
+from numguard import _startup
+print(len(_startup.auto_watcher().inspectors))
+"""
+    out = run(["-c", code], job_env(NUMGUARD="1"))
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip()) <= 2
