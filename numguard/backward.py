@@ -19,6 +19,11 @@ gradients right before the optimizer applies them.
   ``scaler.step`` and, with ``scaler_skips="count"`` (default), counts it and forgets the
   overflowing gradient records; with ``scaler_skips="trip"`` the skip is a trip.
 
+* One read per training step: once an optimizer step was seen, the inspector's batch-end check
+  of a forward run with grad enabled is left to that step's check, which reads the same flag and
+  so covers the forward, the backward and the parameter gradients at once (forwards under
+  ``no_grad``, e.g. evaluation, are still checked at their end).
+
 Only gradients computed while a watched forward ran are tapped; forwards under ``torch.compile``
 are not tapped (parameter gradients are still checked before every step).
 """
