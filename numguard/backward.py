@@ -39,8 +39,10 @@ SCALER_SKIP_ACTIONS = ("count", "trip")
 _INPUT, _OUTPUT = 0, 1
 _INPUT_LABELS = tuple(f"grad_input[{i}]" for i in range(16))
 
-# Watchers alive in this process; the global optimizer hook and the GradScaler wrapper serve all.
-_watchers = weakref.WeakSet()
+# Watchers alive in this process, oldest first; the global optimizer hook and the GradScaler
+# wrapper serve all. A list (not a set): every rank of a job must check its watchers in the same
+# order, because a check in a distributed job is a collective.
+_watchers = []  # weak references
 _lock = threading.Lock()
 _optimizer_hook = None
 _original_scaler_step = None
@@ -303,7 +305,7 @@ def attach(inspector, scaler_skips=None):
 def _optimizer_pre_hook(optimizer, args, kwargs):
     global _steps_taken
     _steps_taken += 1
-    for watcher in list(_watchers):
+    for watcher in _live_watchers():
         watcher.before_optimizer_step(optimizer)
     return None
 
@@ -312,15 +314,19 @@ def _scaler_step(scaler, optimizer, *args, **kwargs):
     before = _steps_taken
     result = _original_scaler_step(scaler, optimizer, *args, **kwargs)
     if _steps_taken == before and scaler.is_enabled():
-        for watcher in list(_watchers):
+        for watcher in _live_watchers():
             watcher.on_scaler_skip(scaler, optimizer)
     return result
+
+
+def _live_watchers():
+    return [watcher for watcher in (ref() for ref in list(_watchers)) if watcher is not None]
 
 
 def _register(watcher):
     global _optimizer_hook, _original_scaler_step
     with _lock:
-        _watchers.add(watcher)
+        _watchers.append(weakref.ref(watcher))
         if _optimizer_hook is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -334,8 +340,8 @@ def _register(watcher):
 def _unregister(watcher):
     global _optimizer_hook, _original_scaler_step
     with _lock:
-        _watchers.discard(watcher)
-        if len(_watchers) == 0:
+        _watchers[:] = [ref for ref in _watchers if ref() is not None and ref() is not watcher]
+        if not _watchers:
             if _optimizer_hook is not None:
                 _optimizer_hook.remove()
                 _optimizer_hook = None

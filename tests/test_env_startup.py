@@ -224,14 +224,17 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("overflow", [False, True])
-def test_two_ranks_unmodified_script(job_env, overflow):
+@pytest.mark.parametrize("scenario", ["healthy", "overflow", "backward-nan"])
+def test_two_ranks_unmodified_script(job_env, scenario):
     port = str(_free_port())
+    extra = {"healthy": [], "overflow": ["--overflow-at", "1"], "backward-nan": ["--nan-grad-at", "1"]}
+    variables = {"NUMGUARD_BACKWARD": "1"} if scenario == "backward-nan" else {}
     procs = []
     for rank in range(2):
         environ = job_env(NUMGUARD="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                          LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        args = [sys.executable, SCRIPT, "--steps", "3"] + (["--overflow-at", "1"] if overflow else [])
+                          LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                          **variables)
+        args = [sys.executable, SCRIPT, "--steps", "3"] + extra[scenario]
         procs.append(subprocess.Popen(args, env=environ, cwd=REPO, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     results = []
@@ -245,13 +248,17 @@ def test_two_ranks_unmodified_script(job_env, overflow):
                 proc.kill()
                 proc.wait()
     for code, stdout, stderr in results:
-        if overflow:
+        if scenario == "healthy":
+            assert code == 0, stderr
+            assert "finished 3 steps" in stdout
+        elif scenario == "overflow":
             assert code != 0
             assert "Detected inf/nan during batch_number=1" in stdout, (stdout, stderr)
             assert "NonFiniteError" in stderr
-        else:
-            assert code == 0, stderr
-            assert "finished 3 steps" in stdout
+        else:  # every rank names its own module's gradient, before the step of batch 1
+            assert code != 0
+            assert "step 1 loss" not in stdout
+            assert "module.2 (Gate) [grad_input[0]]" in stderr, stderr[-2000:]
 
 
 def test_dist_check_and_log_level_variables_take_effect(job_env):
