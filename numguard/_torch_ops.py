@@ -46,7 +46,12 @@ def check_same_device(xs: Sequence[torch.Tensor], what: str = "xs") -> None:
 
 def empty_record(device) -> torch.Tensor:
     inf = float("inf")
-    return torch.tensor([inf, 0.0, inf, 0, 0, 0, 0, 0], dtype=torch.float64, device=device)
+    # Filled on the device: torch.tensor(list, device=cuda) copies from pageable host memory and
+    # synchronizes.
+    record = torch.zeros(NUM_STATS, dtype=torch.float64, device=device)
+    record[ABS_MIN] = inf
+    record[MIN_NONZERO] = inf
+    return record
 
 
 def tensor_stats(x: torch.Tensor) -> torch.Tensor:
@@ -55,7 +60,7 @@ def tensor_stats(x: torch.Tensor) -> torch.Tensor:
     values = x.detach().to(torch.float64)  # every supported dtype embeds exactly (ints: monotonically)
     mag = values.abs()
     finite = torch.isfinite(values)
-    inf = torch.tensor(float("inf"), dtype=torch.float64, device=x.device)
+    inf = torch.full((), float("inf"), dtype=torch.float64, device=x.device)  # no host-to-device copy
     finite_mag = torch.where(finite, mag, inf)
     abs_min = finite_mag.amin()
     abs_max = torch.where(finite, mag, torch.zeros_like(mag)).amax()
