@@ -66,15 +66,29 @@ class _GradTap:
         watcher = self.watcher
         if watcher.closed or grad is None:
             return None
-        chosen = None
-        for entry in self.entries:
-            if entry[0] == _INPUT:
-                chosen = entry
-                break
-        if chosen is None:
-            chosen = self.entries[0]
-        watcher._record(chosen[1], chosen[2], chosen[3], grad)
+        watcher._record(*self.label(), grad)
         return None
+
+    def label(self):
+        """(module name, class name, label) for this gradient: the innermost module that consumed
+        the tensor without returning it unchanged (its backward made this gradient), else the
+        first consumer, else the innermost module that returned it."""
+        entries = self.entries
+        chosen = None
+        if len(entries) > 1:
+            returned = {entry[1] for entry in entries if entry[0] == _OUTPUT}
+            for entry in entries:
+                if entry[0] == _INPUT and entry[1] not in returned:
+                    chosen = entry
+                    break
+        if chosen is None:
+            for entry in entries:
+                if entry[0] == _INPUT:
+                    chosen = entry
+                    break
+        if chosen is None:
+            chosen = entries[0]
+        return chosen[1], chosen[2], chosen[3]
 
 
 def _tensors(value, prefix):

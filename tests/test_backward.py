@@ -310,3 +310,22 @@ def test_async_backward_nan_is_found_at_the_next_check():
                 loss.backward()
                 opt.step()
     assert info.value.module == "2" and info.value.batch_number == 1
+
+
+def test_gradient_is_named_after_the_module_that_made_it():
+    # The Gate passes its input through unchanged (same tensor): the gradient of that tensor is
+    # made by the Linear after it, and is named after that Linear.
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    frames = []
+    with numguard.watch(model, **quiet(backward=True)) as insp:
+        original = insp.record_frame
+
+        def spy(name, cls, labels, values, section="forward"):
+            if section == "backward" and len(labels) == 1:
+                frames.append((name, labels[0]))
+            return original(name, cls, labels, values, section=section)
+        insp.record_frame = spy
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+    assert frames == [("3", "grad_output[0]"), ("3", "grad_input[0]"), ("1", "grad_input[0]")]
