@@ -160,13 +160,13 @@ def _compiling() -> bool:
         return False
 
 
-def _wrap(name, original, spec, group_index, details):
+def _wrap(guard, name, original, spec, group_index, details):
     qualname = f"{_NAMESPACE}.{name}"
 
     @functools.wraps(original)
     def guarded(*args, **kwargs):
-        g = _installed
-        if g is not None and g.active and not getattr(_local, "busy", False) and not _compiling():
+        g = guard  # each wrapper serves its own guard: a removed one passes calls through
+        if g.active and not getattr(_local, "busy", False) and not _compiling():
             group = _arg(args, kwargs, group_index, "group")
             _local.busy = True
             try:
@@ -196,7 +196,7 @@ class CollectiveGuard:
             if original is None:
                 continue
             original = getattr(original, "__numguard_original__", original)
-            wrapper = _wrap(name, original, spec, group_index, details)
+            wrapper = _wrap(self, name, original, spec, group_index, details)
             self._originals[name] = original
             self._wrappers[name] = wrapper
             setattr(dist, name, wrapper)
