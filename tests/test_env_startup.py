@@ -331,3 +331,15 @@ print(len(_startup.auto_watcher().inspectors))
     out = run(["-c", code], job_env(NUMGUARD="1"))
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip()) <= 2
+
+
+def test_torchrun_two_ranks(job_env):
+    # The launcher itself starts with NUMGUARD=1 too (it imports torch); it must not get in the way.
+    args = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+            "--master_port", str(_free_port()), SCRIPT, "--steps", "3", "--overflow-at", "1"]
+    out = run(args, job_env(NUMGUARD="1"))
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert text.count("Detected inf/nan during batch_number=1") == 2
+    assert "[rank0]: numguard.errors.NonFiniteError" in text
+    assert "[rank1]: numguard.errors.NonFiniteError" in text
