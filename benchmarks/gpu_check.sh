@@ -80,6 +80,10 @@ for op in ('tensor_stats', 'multi_tensor_stats', 'record_'):
 "
 
 # --- 2. tests ----------------------------------------------------------------------------------
+if ! "$PY" -c "import pytest" 2>/dev/null; then
+  echo "+++ gpu_check: pytest is not installed for $PY; the test phases will fail (the CUDA graph and"
+  echo "+++ reference check below covers the kernels without pytest)"
+fi
 PYTEST=("$PY" -m pytest -x -q -p no:cacheprovider -o addopts="" -rfEs)
 CUDA_TESTS=(tests/test_kernels.py tests/test_cuda_build.py)
 phase "tests: kernels on CUDA" 240 "${PYTEST[@]}" "${CUDA_TESTS[@]}"

@@ -57,7 +57,7 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/d
   say "installing $TORCH_REQ (a CUDA build, about 5 GB)"
   pip_install "$TORCH_REQ" || cannot_run "pip could not install $TORCH_REQ into $VENV"
 fi
-"$PY" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" \
+"$PY" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null \
   || cannot_run "torch in $VENV is not a CUDA build ($("$PY" -c 'import torch; print(torch.__version__)'))"
 for mod in setuptools wheel ninja numpy pytest pytest_timeout; do
   if ! "$PY" -c "import $mod" 2>/dev/null; then

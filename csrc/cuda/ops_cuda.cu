@@ -214,6 +214,10 @@ at::Tensor tensor_stats_cuda(const at::Tensor& x) {
 at::Tensor multi_tensor_stats_cuda(at::TensorList xs) {
   TORCH_CHECK(!xs.empty() && xs[0].defined(), "numguard: multi_tensor_stats on CUDA needs at least one tensor");
   const at::Device device = xs[0].device();
+  for (size_t i = 1; i < xs.size(); ++i) {  // before the guard: xs[0] itself may be the odd one out
+    TORCH_CHECK(!xs[i].defined() || xs[i].device() == device, "numguard: xs[", i, "] is on ", xs[i].device(),
+                " but xs[0] is on ", device, "; all tensors of one call must be on one device: split the call per device");
+  }
   const c10::cuda::CUDAGuard guard(device);
   at::Tensor out = at::empty({static_cast<int64_t>(xs.size()), kNumStats},
                              at::TensorOptions().dtype(at::kDouble).device(device));
