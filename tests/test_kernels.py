@@ -362,6 +362,9 @@ def layout_cases(dtype, gen):
         "expanded_then_sliced": x2[:, None, ::3].expand(40, 2, 234)[1:, :, 5:],
         "overlapping": v.as_strided((1000, 10), (3, 1)),
         "reversed_dims_noncontig": x4.transpose(0, 3)[::2],
+        # 18 dims that no two of which merge (outer stride 2 * inner stride + 1), more than the
+        # kernel's inline index buffer holds
+        "many_dims": planted(dtype, 2**19, gen).as_strided([2] * 18, [2 ** (18 - d) - 1 for d in range(18)]),
     }
 
 

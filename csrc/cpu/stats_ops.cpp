@@ -183,7 +183,10 @@ void reduce_strided(const KernelTable& k, const Plan& plan, int64_t begin, int64
   const int nd = static_cast<int>(plan.sizes.size());
   const int inner = nd - 1;
   const E* base = reinterpret_cast<const E*>(plan.base);
-  c10::SmallVector<int64_t, 6> idx(nd, 0);
+  int64_t idx_inline[16] = {};
+  std::vector<int64_t> idx_heap;  // only for tensors of more than 16 non-trivial dims
+  if (nd > 16) idx_heap.assign(nd, 0);
+  int64_t* idx = nd > 16 ? idx_heap.data() : idx_inline;
   int64_t offset = 0;
   int64_t rem = begin;
   for (int d = inner; d >= 0; --d) {
