@@ -1,10 +1,15 @@
-"""numguard's CUDA kernels: registered for every op when the extension was built with them, and, on
-a machine with a GPU, record_ captured in a CUDA graph keeps freeze-on-trip across replays.
+"""numguard's CUDA kernels: registered for every op when the extension was built with them; their
+per-thread scanning logic (csrc/cuda/stats_device.cuh) compiled for the host and checked element by
+element against the shared header, on any machine with a C++ compiler; and, on a machine with a GPU,
+record_ captured in a CUDA graph keeps freeze-on-trip across replays.
 
 Set NUMGUARD_EXPECT_CUDA_KERNELS=1 to turn "built without CUDA kernels" from a skip into a failure
 (scripts/check_cuda_build.sh does, so the CUDA build check can never pass by skipping).
 """
 import os
+import pathlib
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -12,6 +17,7 @@ import torch
 import numguard
 from numguard import ops
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 OPS = ("tensor_stats", "multi_tensor_stats", "record_")
 EXPECT_CUDA_KERNELS = os.environ.get("NUMGUARD_EXPECT_CUDA_KERNELS", "0") == "1"
 
@@ -62,6 +68,164 @@ def test_every_op_has_cuda_and_cpu_kernels(op):
 def test_native_backend_serves_the_ops():
     _require_cuda_kernels()
     assert numguard.backend() == "native"
+
+
+# ------------------------------------------------------------------------------------------------
+# The device scanning logic, emulated on the host: every thread of a block runs scan_chunk in turn
+# (16-byte vector body, scalar head and tail, the normal-value fast path) and the per-thread results
+# are merged; the result must equal the shared header's per-element FloatStatsAccum::add /
+# IntStatsAccum::add_magnitude over the same elements, for every dtype, size and misalignment.
+
+SCAN_EMULATION = r"""
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+// Host stand-ins for the CUDA built-ins that stats_device.cuh uses.
+#define __device__
+#define __host__
+#define __forceinline__ inline
+struct uint4 { unsigned int x, y, z, w; };
+struct ThreadIndex { unsigned int x; };
+static ThreadIndex threadIdx;
+inline uint4 __ldg(const uint4* p) { return *p; }
+template <class T> inline T min(T a, T b) { return a < b ? a : b; }
+template <class T> inline T max(T a, T b) { return a < b ? b : a; }
+inline unsigned lanewise(unsigned a, unsigned b, int bits, bool take_min) {
+  unsigned out = 0, mask = (1u << bits) - 1;
+  for (int s = 0; s < 32; s += bits) {
+    unsigned x = (a >> s) & mask, y = (b >> s) & mask;
+    out |= ((take_min ? (x < y ? x : y) : (x < y ? y : x)) & mask) << s;
+  }
+  return out;
+}
+inline unsigned __vminu2(unsigned a, unsigned b) { return lanewise(a, b, 16, true); }
+inline unsigned __vmaxu2(unsigned a, unsigned b) { return lanewise(a, b, 16, false); }
+inline unsigned __vminu4(unsigned a, unsigned b) { return lanewise(a, b, 8, true); }
+inline unsigned __vmaxu4(unsigned a, unsigned b) { return lanewise(a, b, 8, false); }
+
+#include "stats_device.cuh"
+
+using namespace numguard;
+using namespace numguard::cuda::device;
+
+static int failures = 0;
+static long checks = 0;
+static std::mt19937_64 rng(1234);
+
+template <int kThreads, class Visitor, class Accum, class Storage, class RefAdd>
+void check(const char* name, const char* pattern, const Storage* p, int64_t n, int offset, RefAdd ref_add) {
+  Accum total;
+  total.init();
+  for (unsigned t = 0; t < kThreads; ++t) {
+    threadIdx.x = t;
+    Visitor v;
+    v.init();
+    scan_chunk<kThreads>(p, n, v);
+    total.merge(v.result());
+  }
+  Accum ref;
+  ref.init();
+  for (int64_t i = 0; i < n; ++i) ref_add(ref, p[i]);
+  ++checks;
+  if (std::memcmp(&total, &ref, sizeof(Accum)) != 0) {
+    if (++failures <= 10)
+      std::printf("MISMATCH %s pattern=%s n=%lld offset=%d threads=%d\n", name, pattern, (long long)n, offset, kThreads);
+  }
+}
+
+template <class Storage>
+Storage float_value(int pattern, const FloatFormat& f) {
+  const uint64_t sign = (rng() & 1) ? f.sign_mask : 0;
+  const uint64_t normal = f.min_normal + rng() % (f.finite_limit - f.min_normal);
+  if (pattern == 0) return static_cast<Storage>(sign | normal);
+  if (pattern == 2) return static_cast<Storage>(rng());
+  switch (rng() % 16) {  // pattern 1: mostly normal, some of every special value
+    case 0: return static_cast<Storage>(sign);                                         // +-0
+    case 1: return static_cast<Storage>(sign | (1 + rng() % (f.min_normal - 1)));      // subnormal
+    case 2: return static_cast<Storage>(sign | f.inf_bits);                            // inf (NaN for e4m3fn)
+    case 3: return static_cast<Storage>(sign | (f.sign_mask - 1));                     // NaN
+    case 4: return static_cast<Storage>(sign | (f.finite_limit - 1));                  // largest finite
+    default: return static_cast<Storage>(sign | normal);
+  }
+}
+
+const int64_t kSizes[] = {0, 1, 2, 3, 7, 8, 15, 16, 17, 31, 33, 255, 256, 257, 1023, 1024, 1025,
+                          4095, 4096, 4097, 16389, 70001};
+
+template <class Visitor, class Accum, class Storage, class Fill, class RefAdd>
+void run(const char* name, Fill fill, RefAdd ref_add) {
+  std::vector<uint4> buffer(70001 * sizeof(Storage) / 16 + 8);
+  unsigned char* base = reinterpret_cast<unsigned char*>(buffer.data());
+  const char* names[] = {"normal", "mixed", "random-bits"};
+  for (int pattern = 0; pattern < 3; ++pattern) {
+    for (int64_t n : kSizes) {
+      for (int offset = 0; offset < static_cast<int>(16 / sizeof(Storage)); ++offset) {
+        Storage* p = reinterpret_cast<Storage*>(base + offset * sizeof(Storage));
+        for (int64_t i = 0; i < n; ++i) p[i] = fill(pattern);
+        check<256, Visitor, Accum>(name, names[pattern], p, n, offset, ref_add);
+        if (n <= 4097) check<32, Visitor, Accum>(name, names[pattern], p, n, offset, ref_add);
+      }
+    }
+  }
+}
+
+template <class E>
+void run_float(const char* name) {
+  using Storage = typename E::Storage;
+  const FloatFormat f = E::format();
+  run<FloatVisitor<E>, FloatStatsAccum, Storage>(
+      name, [&](int pattern) { return float_value<Storage>(pattern, f); },
+      [&](FloatStatsAccum& a, Storage raw) { a.add(static_cast<uint64_t>(raw), f); });
+}
+
+template <class T, bool kIsBool = false>
+void run_int(const char* name) {
+  run<IntVisitor<T, kIsBool>, IntStatsAccum, T>(
+      name, [](int pattern) { return static_cast<T>(pattern == 1 ? rng() % 3 : rng()); },
+      [](IntStatsAccum& a, T v) {
+        if (kIsBool) a.add_magnitude(v != 0 ? 1 : 0);
+        else a.add_magnitude(int_magnitude(v));
+      });
+}
+
+int main() {
+  run_float<Float64Element>("float64");
+  run_float<Float32Element>("float32");
+  run_float<Float16Element>("float16");
+  run_float<BFloat16Element>("bfloat16");
+  run_float<E4M3FNElement>("float8_e4m3fn");
+  run_float<Float8E5M2Element>("float8_e5m2");
+  run_int<int8_t>("int8");
+  run_int<uint8_t>("uint8");
+  run_int<int16_t>("int16");
+  run_int<uint16_t>("uint16");
+  run_int<int32_t>("int32");
+  run_int<uint32_t>("uint32");
+  run_int<int64_t>("int64");
+  run_int<uint64_t>("uint64");
+  run_int<uint8_t, true>("bool");
+  std::printf("checked %ld scans, %d mismatches\n", checks, failures);
+  return failures == 0 ? 0 : 1;
+}
+"""
+
+
+def test_device_scan_logic_matches_the_shared_header_on_the_host(tmp_path):
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler (c++/g++, or CXX) to compile the device scanning logic for the host")
+    source = tmp_path / "scan_emulation.cpp"
+    source.write_text(SCAN_EMULATION)
+    exe = tmp_path / "scan_emulation"
+    build = subprocess.run([cxx, "-std=c++17", "-O2", f"-I{ROOT / 'csrc' / 'include'}", f"-I{ROOT / 'csrc' / 'cuda'}",
+                            str(source), "-o", str(exe)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-4000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "0 mismatches" in run.stdout
 
 
 # ------------------------------------------------------------------------------------------------

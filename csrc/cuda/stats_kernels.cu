@@ -12,57 +12,14 @@
 #include <c10/cuda/CUDAException.h>
 
 #include "numguard/stats_reduce.h"
+#include "stats_device.cuh"
 #include "stats_launch.cuh"
 
 namespace numguard {
 namespace cuda {
 namespace {
 
-// ---------------------------------------------------------------------------------------------
-// Element formats. Namespace-scope constexpr structs cannot be read from device code, so each
-// format is rebuilt here from the shared header's constexpr builder (checked equal below).
-
-__device__ __forceinline__ FloatFormat float8_e4m3fn_format() {
-  return FloatFormat{0x80, 0x7F, 0x7F, 0x08, 3, 7, false};
-}
-
-static_assert(kFloat8E4M3FNFormat.sign_mask == 0x80 && kFloat8E4M3FNFormat.finite_limit == 0x7F &&
-                  kFloat8E4M3FNFormat.inf_bits == 0x7F && kFloat8E4M3FNFormat.min_normal == 0x08 &&
-                  kFloat8E4M3FNFormat.mantissa_bits == 3 && kFloat8E4M3FNFormat.exponent_bias == 7 &&
-                  !kFloat8E4M3FNFormat.has_inf,
-              "float8_e4m3fn_format() must match kFloat8E4M3FNFormat");
-
-// Traits of a floating element: storage type, lane masks and the format.
-template <typename StorageT, int kExponentBits, int kMantissaBits>
-struct IeeeElement {
-  using Storage = StorageT;
-  static constexpr uint64_t kMagnitudeMask = (uint64_t{1} << (kExponentBits + kMantissaBits)) - 1;
-  static constexpr uint64_t kMinNormal = uint64_t{1} << kMantissaBits;
-  static constexpr uint64_t kFiniteLimit = ((uint64_t{1} << kExponentBits) - 1) << kMantissaBits;
-  __device__ __forceinline__ static FloatFormat format() { return ieee_format(kExponentBits, kMantissaBits); }
-};
-
-struct E4M3FNElement {
-  using Storage = uint8_t;
-  static constexpr uint64_t kMagnitudeMask = 0x7F;
-  static constexpr uint64_t kMinNormal = 0x08;
-  static constexpr uint64_t kFiniteLimit = 0x7F;
-  __device__ __forceinline__ static FloatFormat format() { return float8_e4m3fn_format(); }
-};
-
-using Float64Element = IeeeElement<uint64_t, 11, 52>;
-using Float32Element = IeeeElement<uint32_t, 8, 23>;
-using Float16Element = IeeeElement<uint16_t, 5, 10>;
-using BFloat16Element = IeeeElement<uint16_t, 8, 7>;
-using Float8E5M2Element = IeeeElement<uint8_t, 5, 2>;
-
-static_assert(Float32Element::kFiniteLimit == kFloat32Format.finite_limit &&
-                  Float32Element::kMinNormal == kFloat32Format.min_normal &&
-                  Float16Element::kFiniteLimit == kFloat16Format.finite_limit &&
-                  BFloat16Element::kMinNormal == kBFloat16Format.min_normal &&
-                  Float8E5M2Element::kFiniteLimit == kFloat8E5M2Format.finite_limit &&
-                  Float64Element::kMinNormal == kFloat64Format.min_normal,
-              "element traits must match the shared formats");
+using namespace device;  // element formats, visitors, scan_chunk (stats_device.cuh)
 
 __device__ __forceinline__ FloatFormat format_of(ElementKind kind) {
   switch (kind) {
@@ -88,148 +45,6 @@ __device__ __forceinline__ double headroom_max_of(ElementKind kind) {
     case ElementKind::kFloat8E5M2: return 57344.0;
     default: return 0.0;
   }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Visitors: what a thread does with one element (scalar) or one 16-byte vector.
-
-// NOTE: [vector fast path]
-// For a 16-byte vector the thread first takes the unsigned min and max of its lanes' magnitude bits
-// (packed SIMD for 8- and 16-bit lanes). When min >= min_normal and max < finite_limit, every lane
-// is normal, finite and non-zero, so the vector changes only the running min/max magnitude and no
-// counter: that is all the work done for typical data. Any other vector (a zero, subnormal, Inf or
-// NaN among its lanes) goes lane by lane through the shared FloatStatsAccum::add.
-template <typename E>
-struct FloatVisitor {
-  using Storage = typename E::Storage;
-  FloatStatsAccum acc;
-  uint64_t fast_min;
-  uint64_t fast_max;
-
-  __device__ __forceinline__ void init() {
-    acc.init();
-    fast_min = ~uint64_t{0};
-    fast_max = 0;
-  }
-
-  __device__ __forceinline__ void scalar(Storage raw) { acc.add(static_cast<uint64_t>(raw), E::format()); }
-
-  __device__ __forceinline__ void slow_vector(const uint4& v) {
-    union {
-      uint4 vec;
-      Storage lanes[16 / sizeof(Storage)];
-    } u;
-    u.vec = v;
-    const FloatFormat f = E::format();
-#pragma unroll
-    for (int i = 0; i < static_cast<int>(16 / sizeof(Storage)); ++i) acc.add(static_cast<uint64_t>(u.lanes[i]), f);
-  }
-
-  __device__ __forceinline__ void vector(const uint4& v) {
-    uint64_t lo, hi;
-    if constexpr (sizeof(Storage) == 1) {
-      const uint32_t m = static_cast<uint32_t>(E::kMagnitudeMask) * 0x01010101u;
-      const uint32_t a = v.x & m, b = v.y & m, c = v.z & m, d = v.w & m;
-      uint32_t mn = __vminu4(__vminu4(a, b), __vminu4(c, d));
-      uint32_t mx = __vmaxu4(__vmaxu4(a, b), __vmaxu4(c, d));
-      mn = __vminu4(mn, mn >> 16);
-      mx = __vmaxu4(mx, mx >> 16);
-      mn = __vminu4(mn, mn >> 8);
-      mx = __vmaxu4(mx, mx >> 8);
-      lo = mn & 0xFF;
-      hi = mx & 0xFF;
-    } else if constexpr (sizeof(Storage) == 2) {
-      const uint32_t m = static_cast<uint32_t>(E::kMagnitudeMask) * 0x00010001u;
-      const uint32_t a = v.x & m, b = v.y & m, c = v.z & m, d = v.w & m;
-      const uint32_t mn = __vminu2(__vminu2(a, b), __vminu2(c, d));
-      const uint32_t mx = __vmaxu2(__vmaxu2(a, b), __vmaxu2(c, d));
-      lo = min(mn & 0xFFFFu, mn >> 16);
-      hi = max(mx & 0xFFFFu, mx >> 16);
-    } else if constexpr (sizeof(Storage) == 4) {
-      const uint32_t m = static_cast<uint32_t>(E::kMagnitudeMask);
-      const uint32_t a = v.x & m, b = v.y & m, c = v.z & m, d = v.w & m;
-      lo = min(min(a, b), min(c, d));
-      hi = max(max(a, b), max(c, d));
-    } else {
-      const uint64_t a = ((static_cast<uint64_t>(v.y) << 32) | v.x) & E::kMagnitudeMask;
-      const uint64_t b = ((static_cast<uint64_t>(v.w) << 32) | v.z) & E::kMagnitudeMask;
-      lo = a < b ? a : b;
-      hi = a < b ? b : a;
-    }
-    if (lo >= E::kMinNormal && hi < E::kFiniteLimit) {
-      fast_min = lo < fast_min ? lo : fast_min;
-      fast_max = hi > fast_max ? hi : fast_max;
-    } else {
-      slow_vector(v);
-    }
-  }
-
-  __device__ __forceinline__ FloatStatsAccum result() {
-    if (fast_max != 0) acc.add_normal_range(fast_min, fast_max);
-    return acc;
-  }
-};
-
-// Integers and bool: values, as unsigned magnitudes (no non-finite, no fast path needed). bool is
-// read as its byte, any non-zero byte being true.
-template <typename T, bool kIsBool = false>
-struct IntVisitor {
-  using Storage = T;
-  IntStatsAccum acc;
-
-  __device__ __forceinline__ void init() { acc.init(); }
-
-  __device__ __forceinline__ void scalar(T v) {
-    if constexpr (kIsBool) {
-      acc.add_magnitude(v != 0 ? 1 : 0);
-    } else if constexpr (std::is_unsigned<T>::value) {
-      acc.add_magnitude(static_cast<uint64_t>(v));
-    } else {
-      acc.add_magnitude(int_magnitude(v));
-    }
-  }
-
-  __device__ __forceinline__ void vector(const uint4& v) {
-    union {
-      uint4 vec;
-      T lanes[16 / sizeof(T)];
-    } u;
-    u.vec = v;
-#pragma unroll
-    for (int i = 0; i < static_cast<int>(16 / sizeof(T)); ++i) scalar(u.lanes[i]);
-  }
-
-  __device__ __forceinline__ IntStatsAccum result() { return acc; }
-};
-
-// ---------------------------------------------------------------------------------------------
-// Scanning a chunk: scalar head up to 16-byte alignment, unrolled vector body, scalar tail.
-
-constexpr int kUnroll = 4;  // vectors in flight per thread
-
-template <typename Visitor, typename Storage>
-__device__ __forceinline__ void scan_chunk(const Storage* p, int64_t n, Visitor& vis) {
-  constexpr int kLanes = 16 / sizeof(Storage);
-  const int tid = threadIdx.x;
-  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
-  int64_t head = static_cast<int64_t>(((16 - (addr & 15)) & 15) / sizeof(Storage));
-  if (head > n) head = n;
-  if (tid < head) vis.scalar(p[tid]);
-  const uint4* vec = reinterpret_cast<const uint4*>(p + head);
-  const int64_t num_vec = (n - head) / kLanes;
-  for (int64_t base = tid; base < num_vec; base += static_cast<int64_t>(kUnroll) * kStatsThreads) {
-    uint4 r[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t k = base + static_cast<int64_t>(u) * kStatsThreads;
-      if (k < num_vec) r[u] = __ldg(vec + k);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (base + static_cast<int64_t>(u) * kStatsThreads < num_vec) vis.vector(r[u]);
-    }
-  }
-  for (int64_t i = head + num_vec * kLanes + tid; i < n; i += kStatsThreads) vis.scalar(p[i]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -293,7 +108,7 @@ __device__ __forceinline__ void stats_block(const void* data, int64_t begin, int
   using Storage = typename Visitor::Storage;
   Visitor vis;
   vis.init();
-  scan_chunk(static_cast<const Storage*>(data) + begin, count, vis);
+  scan_chunk<kStatsThreads>(static_cast<const Storage*>(data) + begin, count, vis);
   const auto acc = block_reduce<kStatsThreads>(vis.result());
   if (threadIdx.x == 0) {
     Partial p;
