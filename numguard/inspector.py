@@ -69,6 +69,10 @@ class _STDOUT:  # sentinel: print to whatever sys.stdout is at report time
 
 _active: list = []  # inspectors inside a watched forward (for detect_overflow)
 _STRIDED = torch.strided
+_Tensor = torch.Tensor
+_is_compiling = torch.compiler.is_compiling
+_ONE_IN_ONE_OUT_LABELS = ("input[0]", "output")
+_ONE_IN_ONE_OUT_KINDS = (0, 0)
 
 
 class _Owner:
@@ -324,6 +328,7 @@ class Inspector:
         self._wlayout = None
         self._wlayout_ids = None
         self._wlast = None                # (layout, parameter versions, stats) for [weight reuse]
+        self._wcache = None               # (parameter ids, layout, weakrefs to parameters, dtypes)
         self._w_limits_inv = None
         self._last_check_frames = 0
         self._async_host = None
@@ -478,9 +483,14 @@ class Inspector:
         return None
 
     def _hook(self, owner, module, args, kwargs, output):
-        if owner.off or self._closed or torch.compiler.is_compiling():
+        if owner.off or self._closed or _is_compiling():
             return None
         try:
+            if not kwargs and len(args) == 1 and type(output) is _Tensor and type(args[0]) is _Tensor:
+                # Fast path: one positional tensor in, one tensor out (Linear, LayerNorm, Dropout, ...).
+                self._record(owner, [args[0], output], _ONE_IN_ONE_OUT_LABELS, _ONE_IN_ONE_OUT_KINDS,
+                             "forward", True, True)
+                return None
             xs, labels, kinds = _flatten_frame(args, kwargs, output, self.extras)
             self._record(owner, xs, labels, kinds, "forward", True, True)
         except Exception as exc:  # numguard's own failure must not kill the job
@@ -488,7 +498,10 @@ class Inspector:
         return None
 
     def _record(self, owner, xs, labels, kinds, section, hf, weights):
-        if not self._batch_open:
+        if weights and not self._batch_open:
+            # A module frame outside the root's forward (a submodule called directly) opens the
+            # batch. record_frame() frames (gradients, after the forward) never do: the next
+            # batch's weight table must be taken after the optimizer step.
             self._begin_batch()
         pos = self._pos
         seen = self._seen
@@ -658,17 +671,29 @@ class Inspector:
         return params, tuple(ids)
 
     def _record_weights(self):
-        params, ids = self._current_params()
-        if ids != self._wlayout_ids:
+        modules = [o.ref() for o in self._owners]
+        fingerprint = tuple([id(p) for m in modules if m is not None for p in m._parameters.values()])
+        cache = self._wcache
+        unique = None
+        if cache is not None and cache[0] == fingerprint and cache[1] is self._wlayout:
+            unique = [r() for r in cache[2]]
+            if any(p is None for p in unique) or tuple(p.dtype for p in unique) != cache[3]:
+                unique = None
+        if unique is None:
+            params, ids = self._current_params()
             self._build_layout(params, ids)
+            unique = _unique_params(params)
+            self._wcache = (fingerprint, self._wlayout, [weakref.ref(p) for p in unique],
+                            tuple(p.dtype for p in unique))
         layout = self._wlayout
         if layout is None or not layout["tensors_n"]:
             return
-        unique = [p.detach() for p in _unique_params(params)]
         if unique[0].device != self._device:
             # The model moved (e.g. .to(device) after watch()): start over on the new device.
             self._move_to(unique[0].device)
+            params, ids = self._current_params()
             self._build_layout(params, ids)
+            self._wcache = None
             layout = self._wlayout
         # NOTE: [weight reuse] Forward-only batches (grad disabled: evaluation, inference) whose
         # parameters kept their version counters since the last table reuse it: no launch at all.
@@ -683,8 +708,9 @@ class Inspector:
             if versions is not None and last is not None and last[0] is layout and last[1] == versions:
                 self._wtables[self._batches_done] = (last[2], layout)
                 return
-        stats = ops.multi_tensor_stats(unique) if layout["one_device"] else torch.cat(
-            [ops.tensor_stats(p).to(self._device).view(1, -1) for p in unique])
+        with torch.no_grad():
+            stats = ops.multi_tensor_stats(unique) if layout["one_device"] else torch.cat(
+                [ops.tensor_stats(p).to(self._device).view(1, -1) for p in unique])
         self._wtables[self._batches_done] = (stats, layout)
         self._wlast = (layout, versions, stats) if versions is not None else None
         bad = (stats[:, _report.NAN] + stats[:, _report.POS_INF] + stats[:, _report.NEG_INF]) > 0
@@ -744,6 +770,7 @@ class Inspector:
     def _move_to(self, device):
         self._device = device
         self._wlast = None
+        self._wcache = None
         self._ring, _ = ops.new_ring(self._ring.shape[0], device)
         self._device_index = _device_index(device)
         self._state_buf = torch.tensor([0, -1, 0, -1, 0, 0, 0, 0], dtype=torch.int64, device=device)

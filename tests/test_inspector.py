@@ -316,17 +316,17 @@ def test_module_whose_forward_raises_then_next_batch_works(backend):
 def test_numguard_failure_in_a_hook_warns_once_and_stops_watching_that_module(backend, monkeypatch):
     model = MLP()
     insp = numguard.watch(model, **quiet())
-    real = numguard.inspector._flatten_frame
+    real = numguard.ops.record_
 
-    def broken(args, kwargs, output, extras):
-        if isinstance(output, torch.Tensor) and output.shape[-1] == 8 and not broken.done:
+    def broken(ring, state, xs, position, headroom=0.0):
+        if not broken.done and len(xs) >= 2 and xs[1].shape == (2, 8) and xs[0].shape == (2, 8):
             broken.done = True
-            raise RuntimeError("numguard bug")
-        return real(args, kwargs, output, extras)
+            raise RuntimeError("numguard op error")
+        return real(ring, state, xs, position, headroom)
 
     broken.done = False
-    monkeypatch.setattr(numguard.inspector, "_flatten_frame", broken)
-    with pytest.warns(InspectorWarning, match="stopped watching module 'a'"):
+    monkeypatch.setattr(numguard.ops, "record_", broken)
+    with pytest.warns(InspectorWarning, match="stopped watching module 'a'.*numguard op error"):
         model(torch.randn(2, 8))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
