@@ -74,7 +74,9 @@ def test_native_backend_serves_the_ops():
 # The device scanning logic, emulated on the host: every thread of a block runs scan_chunk in turn
 # (16-byte vector body, scalar head and tail, the normal-value fast path) and the per-thread results
 # are merged; the result must equal the shared header's per-element FloatStatsAccum::add /
-# IntStatsAccum::add_magnitude over the same elements, for every dtype, size and misalignment.
+# IntStatsAccum::add_magnitude over the same elements, for every dtype, size and misalignment. Also
+# whole multi-tensor launches: chunk plans and the block -> (tensor, chunk) lookup over lists with
+# empty tensors, each tensor's merged blocks against the tensor's reference.
 
 SCAN_EMULATION = r"""
 #include <cstdint>
@@ -191,7 +193,67 @@ void run_int(const char* name) {
       });
 }
 
+// A multi-tensor launch: chunk plans, the block -> (tensor, chunk) lookup, per-block scans merged
+// per tensor, against the reference of each whole tensor.
+template <class E>
+void run_table(const char* name, int64_t wave, int64_t min_chunk_bytes) {
+  using Storage = typename E::Storage;
+  const FloatFormat f = E::format();
+  const int num_tensors = 1 + static_cast<int>(rng() % 40);
+  std::vector<std::vector<uint4>> buffers(num_tensors);
+  std::vector<const Storage*> data(num_tensors);
+  std::vector<int64_t> numel(num_tensors), chunk(num_tensors);
+  std::vector<int32_t> block_start(num_tensors + 1);
+  int32_t blocks = 0;
+  for (int t = 0; t < num_tensors; ++t) {
+    numel[t] = (rng() % 4 == 0) ? 0 : static_cast<int64_t>(rng() % 20000);
+    buffers[t].resize(numel[t] * sizeof(Storage) / 16 + 2);
+    Storage* p = reinterpret_cast<Storage*>(buffers[t].data()) + rng() % (16 / sizeof(Storage));
+    for (int64_t i = 0; i < numel[t]; ++i) p[i] = float_value<Storage>(1, f);
+    data[t] = p;
+    const ChunkPlan plan = plan_chunks(numel[t], sizeof(Storage), wave, min_chunk_bytes);
+    chunk[t] = plan.chunk;
+    block_start[t] = blocks;
+    blocks += static_cast<int32_t>(plan.blocks);
+  }
+  block_start[num_tensors] = blocks;
+  std::vector<FloatStatsAccum> got(num_tensors);
+  for (auto& a : got) a.init();
+  bool covered = true;
+  for (int32_t b = 0; b < blocks; ++b) {
+    const int t = locate_block(block_start, num_tensors, b);
+    const int64_t begin = static_cast<int64_t>(b - block_start[t]) * chunk[t];
+    const int64_t count = numel[t] - begin < chunk[t] ? numel[t] - begin : chunk[t];
+    if (b < block_start[t] || b >= block_start[t + 1] || count <= 0) covered = false;
+    for (unsigned th = 0; th < 32; ++th) {
+      threadIdx.x = th;
+      FloatVisitor<E> v;
+      v.init();
+      scan_chunk<32>(data[t] + begin, count, v);
+      got[t].merge(v.result());
+    }
+  }
+  for (int t = 0; t < num_tensors; ++t) {
+    FloatStatsAccum ref;
+    ref.init();
+    for (int64_t i = 0; i < numel[t]; ++i) ref.add(static_cast<uint64_t>(data[t][i]), f);
+    ++checks;
+    if (!covered || std::memcmp(&got[t], &ref, sizeof(ref)) != 0) {
+      if (++failures <= 10)
+        std::printf("MISMATCH table %s tensor %d of %d numel=%lld wave=%lld\n", name, t, num_tensors,
+                    (long long)numel[t], (long long)wave);
+    }
+  }
+}
+
 int main() {
+  for (int round = 0; round < 20; ++round) {
+    for (int64_t wave : {1, 7, 396}) {
+      run_table<Float32Element>("float32", wave, 64);
+      run_table<Float16Element>("float16", wave, 32 * 1024);
+      run_table<Float8E5M2Element>("float8_e5m2", wave, 16);
+    }
+  }
   run_float<Float64Element>("float64");
   run_float<Float32Element>("float32");
   run_float<Float16Element>("float16");

@@ -14,6 +14,7 @@
 
 #include "numguard/build_info.h"
 #include "numguard/stats_reduce.h"
+#include "stats_device.cuh"
 #include "stats_launch.cuh"
 
 namespace numguard {
@@ -139,10 +140,6 @@ DenseView dense_view(const at::Tensor& input, const ArgName& what, std::vector<a
   return view;
 }
 
-int64_t ceil_div(int64_t a, int64_t b) {
-  return (a + b - 1) / b;
-}
-
 // Records of xs (all on the current device) into records[first_row + i]; see stats_launch.cuh.
 // `single`: the call is tensor_stats(x), so errors name `x` rather than `xs[i]`.
 void compute_records(at::TensorList xs, double* records, double* max_values, const at::Device& device,
@@ -164,12 +161,10 @@ void compute_records(at::TensorList xs, double* records, double* max_values, con
   std::vector<int64_t> chunks(n, 1), blocks(n, 0);
   int64_t total_blocks = 0;
   for (int64_t i = 0; i < n; ++i) {
-    if (views[i].numel == 0) continue;
-    const int64_t bytes = views[i].numel * views[i].element_size;
-    const int64_t chunk_bytes = ceil_div(std::max(kMinChunkBytes, ceil_div(bytes, wave)), 16) * 16;
-    chunks[i] = std::max<int64_t>(1, chunk_bytes / views[i].element_size);
-    blocks[i] = ceil_div(views[i].numel, chunks[i]);
-    total_blocks += blocks[i];
+    const device::ChunkPlan plan = device::plan_chunks(views[i].numel, views[i].element_size, wave, kMinChunkBytes);
+    chunks[i] = plan.chunk;
+    blocks[i] = plan.blocks;
+    total_blocks += plan.blocks;
   }
   at::Tensor workspace;
   if (total_blocks > 0) {

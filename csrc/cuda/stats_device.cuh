@@ -203,6 +203,44 @@ __device__ __forceinline__ void scan_chunk(const Storage* p, int64_t n, Visitor&
   for (int64_t i = head + num_vec * kLanes + tid; i < n; i += kThreads) vis.scalar(p[i]);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The multi-tensor launch shape (NOTE: [multi-tensor table] in stats_launch.cuh).
+
+// Elements per block and number of blocks of one tensor: a large tensor spreads over about one
+// wave of blocks (`wave` blocks fit on the device at once), a small one is read by one block.
+// Chunks are whole 16-byte multiples, so every chunk of a tensor has the same alignment.
+struct ChunkPlan {
+  int64_t chunk;   // elements per block (>= 1)
+  int64_t blocks;  // 0 for an empty tensor
+};
+
+inline ChunkPlan plan_chunks(int64_t numel, int64_t element_size, int64_t wave, int64_t min_chunk_bytes) {
+  if (numel <= 0) return ChunkPlan{1, 0};
+  auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  const int64_t bytes = numel * element_size;
+  int64_t chunk_bytes = ceil_div(bytes, wave > 0 ? wave : 1);
+  if (chunk_bytes < min_chunk_bytes) chunk_bytes = min_chunk_bytes;
+  chunk_bytes = ceil_div(chunk_bytes, 16) * 16;
+  const int64_t chunk = chunk_bytes / element_size > 0 ? chunk_bytes / element_size : 1;
+  return ChunkPlan{chunk, ceil_div(numel, chunk)};
+}
+
+// The tensor that block b of a launch reads: the last one whose first block is <= b. Tensors that
+// own no blocks (empty ones) share their first block with the next tensor and are skipped.
+template <typename BlockStarts>
+__device__ __forceinline__ int locate_block(const BlockStarts& block_start, int num_tensors, int32_t b) {
+  int lo = 0, hi = num_tensors - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (block_start[mid] <= b) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
 }  // namespace device
 }  // namespace cuda
 }  // namespace numguard

@@ -127,17 +127,7 @@ __device__ __forceinline__ void stats_block(const void* data, int64_t begin, int
 // One block per (tensor, chunk) of the table; writes the block's partial to the workspace.
 __global__ void __launch_bounds__(kStatsThreads) stats_kernel(const TensorTable table, Partial* workspace) {
   const int32_t b = static_cast<int32_t>(blockIdx.x);
-  // Last tensor whose first block is <= b (tensors without blocks are skipped by construction).
-  int lo = 0, hi = table.num_tensors - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (table.block_start[mid] <= b) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  const int t = lo;
+  const int t = locate_block(table.block_start, table.num_tensors, b);
   const int64_t chunk = table.chunk[t];
   const int64_t begin = static_cast<int64_t>(b - table.block_start[t]) * chunk;
   const int64_t remaining = table.numel[t] - begin;
