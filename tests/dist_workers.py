@@ -47,15 +47,18 @@ def run_scenario(name: str, world: int, timeout: float = 90.0, env: dict | None 
             procs.append((subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), name, os.path.join(tmp, f"r{r}.json")],
                 env=e, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log))
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         timed_out = False
-        for p, _ in procs:
-            left = deadline - time.monotonic()
-            try:
-                p.wait(timeout=max(left, 0.1))
-            except subprocess.TimeoutExpired:
+        ended = [None] * world
+        while None in ended:
+            for r, (p, _) in enumerate(procs):
+                if ended[r] is None and p.poll() is not None:
+                    ended[r] = time.monotonic() - start
+            if time.monotonic() > deadline:
                 timed_out = True
                 break
+            time.sleep(0.02)
         if timed_out:
             for p, _ in procs:
                 if p.poll() is None:
@@ -75,6 +78,7 @@ def run_scenario(name: str, world: int, timeout: float = 90.0, env: dict | None 
             raise ScenarioFailed(f"scenario {name!r} on {world} ranks: {why}\n{detail}")
         for r, res in enumerate(results):
             res["log"] = logs[r]
+            res["ended_s"] = ended[r]
         return results
 
 
@@ -251,15 +255,14 @@ def scenario_missing(rank, world):
 
     last = world - 1
     if rank == last:
-        time.sleep(4)
-        return {"skipped": True}
+        return {"skipped": True, "linger_s": 8}  # stays alive, never joins the collective
     import torch.distributed as dist
 
     ngd.guard_collectives()  # timeout from NUMGUARD_DIST_TIMEOUT
     t0 = time.monotonic()
     r = _catch(lambda: dist.all_reduce(torch.zeros(3)))
     r["elapsed"] = time.monotonic() - t0
-    return {"check": r}
+    return {"check": r, "exit_normally": True}
 
 
 def scenario_world4(rank, world):
@@ -383,6 +386,10 @@ def main(argv):
             time.sleep(0.05)
     sys.stdout.flush()
     sys.stderr.flush()
+    if result.get("linger_s"):
+        time.sleep(result["linger_s"])
+    if result.get("exit_normally"):
+        sys.exit(0)  # through interpreter shutdown and the process group's destructors
     os._exit(0)
 
 

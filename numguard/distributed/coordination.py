@@ -90,6 +90,7 @@ class _GroupState:
         )
         self.device = collective_device(group)
         pg = group if group is not None else _c10d._get_default_group()
+        self.pg = pg
         self.name = str(getattr(pg, "group_name", None) or id(pg))
         self.seq = 0
         self.store = None
@@ -286,20 +287,63 @@ def timed_all_gather(st: _GroupState, words: int, what: str, site: str, timeout=
         din.copy_(hin, non_blocking=False)
     _mark_arrival(st)
     work = None
-    if st.gather_single is not None:
-        try:
-            work = st.gather_single(dout, din, group=st.group, async_op=True)
-        except RuntimeError as exc:
-            if "not supported" not in str(exc).lower() and "unsupported" not in str(exc).lower():
-                raise
-            st.gather_single = None
-    if work is None and st.gather_single is None:
-        outs = list(dout.view(st.world, words).unbind(0))
-        work = _c10d.all_gather(outs, din, group=st.group, async_op=True)
+    if st.device.type == "cpu":
+        work = _cpu_all_gather(st, dout, din, words, timeout_s)
+    else:
+        if st.gather_single is not None:
+            try:
+                work = st.gather_single(dout, din, group=st.group, async_op=True)
+            except RuntimeError as exc:
+                if "supported" not in str(exc).lower():
+                    raise
+                st.gather_single = None
+        if work is None:
+            outs = list(dout.view(st.world, words).unbind(0))
+            work = _c10d.all_gather(outs, din, group=st.group, async_op=True)
     _wait(work, st, what, site, timeout_s)
     if dout is not hout:
         hout.copy_(dout)
     return hout_b
+
+
+# NOTE: [backend timeout]
+# On CPU (gloo) numguard calls the process group's own methods with the options' timeout set to
+# the check's timeout plus _BACKEND_MARGIN_S, instead of the torch.distributed functions (which
+# leave the group's default, 30 minutes for gloo). Work.wait(timeout) alone returns to the
+# caller in time, but the abandoned operation would keep gloo's worker thread busy and the
+# process could not exit until the missing rank died or 30 minutes passed (measured: the process
+# lingered after raising until the missing rank exited). With the option set, gloo itself gives
+# up shortly after numguard has raised, so the exception can end the process. CUDA (nccl)
+# collectives keep the group's timeout: there an expired operation makes the NCCL watchdog tear
+# the process down.
+_BACKEND_MARGIN_S = 1.0
+
+
+def _backend_timeout(timeout_s: float) -> timedelta:
+    return timedelta(seconds=timeout_s + _BACKEND_MARGIN_S)
+
+
+def _cpu_all_reduce(st: _GroupState, tensor: torch.Tensor, op, timeout_s: float):
+    try:
+        opts = _c10d.AllreduceOptions()
+        opts.reduceOp = op
+        opts.asyncOp = True
+        opts.timeout = _backend_timeout(timeout_s)
+        return st.pg.allreduce([tensor], opts)
+    except (AttributeError, TypeError):  # an older torch without these options
+        return _c10d.all_reduce(tensor, op=op, group=st.group, async_op=True)
+
+
+def _cpu_all_gather(st: _GroupState, dout, din, words: int, timeout_s: float):
+    try:
+        opts = _c10d.AllgatherOptions()
+        opts.asyncOp = True
+        opts.timeout = _backend_timeout(timeout_s)
+        method = getattr(st.pg, "all_gather_single", None) or st.pg._allgather_base
+        return method(dout, din, opts)
+    except (AttributeError, TypeError):
+        outs = list(dout.view(st.world, words).unbind(0))
+        return _c10d.all_gather(outs, din, group=st.group, async_op=True)
 
 
 def timed_all_reduce(st: _GroupState, tensor: torch.Tensor, op, what: str, site: str,
@@ -308,7 +352,10 @@ def timed_all_reduce(st: _GroupState, tensor: torch.Tensor, op, what: str, site:
     handle for :func:`wait_work`."""
     timeout_s = dist_timeout(timeout)
     _mark_arrival(st)
-    work = _c10d.all_reduce(tensor, op=op, group=st.group, async_op=True)
+    if st.device.type == "cpu":
+        work = _cpu_all_reduce(st, tensor, op, timeout_s)
+    else:
+        work = _c10d.all_reduce(tensor, op=op, group=st.group, async_op=True)
     if not wait:
         return work, st.seq, timeout_s
     _wait(work, st, what, site, timeout_s)
