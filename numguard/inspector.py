@@ -335,6 +335,8 @@ class Inspector:
         self._async_np = None
         self._async_event = None
         self._async_pending = None        # (frames length, position, batch) of the issued copy
+        if check == "async":
+            self._make_async_buffer(8)
 
         root_name_seen = False
         for name, module in model.named_modules():
@@ -575,7 +577,7 @@ class Inspector:
             if x.dtype not in _RECORDABLE:
                 x = x.detach().to(torch.float64)
             if x.device != self._device:
-                x = x.detach().to(self._device, non_blocking=True)
+                x = x.detach().to(self._device, non_blocking=self._device.type == "cuda")
             out.append(x)
         return out
 
@@ -793,7 +795,7 @@ class Inspector:
         if traced:
             self._guarded(self._print_trace, batch)
         if self._batches_done % self.check_every == 0:
-            self.check("batch end")
+            self._guarded(self.check, "batch end")
         if traced:
             # Like Transformers, a later report does not reach back into a traced batch.
             self._floor = len(self._frames)
@@ -832,11 +834,19 @@ class Inspector:
         boundary = len(self._frames)
         self._handle(values, dist_flags, boundary, self._pos, found_at=self.batch_number, late=False)
 
+    def _make_async_buffer(self, size):
+        """Host memory the async check copies the state into (pinned for CUDA; read through a numpy
+        view made once, so reading it later is a plain memory read)."""
+        pin = self._device.type == "cuda"
+        self._async_host = torch.empty(size, dtype=torch.int64, pin_memory=pin)
+        self._async_np = self._async_host.numpy()
+        self._async_event = torch.cuda.Event() if pin else None
+
     def _check_async(self, where):
         pending = self._async_pending
         if pending is not None:
             if self._async_event is not None and not self._async_event.query():
-                self._async_event.synchronize()
+                self._async_event.synchronize()  # the copy was issued a check ago: normally done
             values = [int(v) for v in self._async_np]
             n, pos, batch = pending
             self._async_pending = None
@@ -845,10 +855,7 @@ class Inspector:
                 return
         src, dist_flags = self._flag_source()
         if self._async_host is None or self._async_host.numel() != src.numel():
-            pin = src.device.type == "cuda"
-            self._async_host = torch.empty(src.numel(), dtype=torch.int64, pin_memory=pin)
-            self._async_np = self._async_host.numpy()
-            self._async_event = torch.cuda.Event() if pin else None
+            self._make_async_buffer(src.numel())
         self._async_host.copy_(src, non_blocking=True)
         if self._async_event is not None:
             self._async_event.record()
@@ -997,10 +1004,17 @@ class Inspector:
         if values[0] != 0:
             offender = self._find_offender(values[1])
             if offender is not None:
-                report = self.build_report(offender, host_ring, found_at, late)
-                module = report["module"]
-                labels = report["labels"]
-                batch = report["batch"]
+                try:
+                    report = self.build_report(offender, host_ring, found_at, late)
+                except Exception as exc:  # the NaN is real even if numguard cannot render it
+                    off = self._frames[offender]
+                    module, batch = off[_F_OWNER].name, off[_F_BATCH]
+                    warnings.warn(f"numguard: could not render the report ({type(exc).__name__}: {exc})",
+                                  InspectorWarning, stacklevel=4)
+                else:
+                    module = report["module"]
+                    labels = report["labels"]
+                    batch = report["batch"]
             else:
                 module = "(frames no longer in the ring)"
         ranks = []
@@ -1060,12 +1074,17 @@ class Inspector:
         target = self.report_to
         if target is None:
             return
-        if target is _STDOUT:
-            print(text, file=sys.stdout, flush=True)
-        elif callable(target) and not hasattr(target, "write"):
-            target(text)
-        else:
-            print(text, file=target, flush=True)
+        try:
+            if target is _STDOUT:
+                print(text, file=sys.stdout, flush=True)
+            elif callable(target) and not hasattr(target, "write"):
+                target(text)
+            else:
+                print(text, file=target, flush=True)
+        except Exception as exc:
+            warnings.warn(f"numguard: could not print the report to report_to={target!r} "
+                          f"({type(exc).__name__}: {exc}); it is still on the exception and in last_report",
+                          InspectorWarning, stacklevel=4)
 
     # ------------------------------------------------------------------------------------------
     # Headroom
