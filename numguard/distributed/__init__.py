@@ -8,9 +8,18 @@
     ngd.set_trigger(); ngd.check_trigger()      # any rank sets, every rank sees
 
 ``NUMGUARD_DIST_CHECK=1`` installs :func:`guard_collectives` when this package is imported
-(``guard_collectives()`` called explicitly always installs). ``NUMGUARD_DIST_TIMEOUT`` (seconds,
-default 60) bounds every numguard check; a rank that does not arrive in time is named in a
-:class:`DistributedTimeoutError` on the ranks that did.
+(``guard_collectives()`` called explicitly always installs; with ``NUMGUARD=1`` numguard's
+start-up hook imports this package). ``NUMGUARD_DIST_TIMEOUT`` (seconds, default 60) bounds every
+numguard collective; a rank that does not arrive in time is named in a
+:class:`DistributedTimeoutError` on the ranks that did. On CPU (gloo) the abandoned operation
+itself expires a second later, so the exception can end the process (see NOTE: [backend
+timeout] in coordination.py); the process group must not be used after that.
+
+Each numguard collective is one small fixed-size tensor operation on the group's collective
+device (CPU for gloo, the current CUDA device for nccl), through
+``torch.distributed.distributed_c10d`` and the process group directly, never through the guarded
+``torch.distributed`` names. Every numguard collective must be called by every rank of the group
+in the same order, like any collective.
 """
 from __future__ import annotations
 
