@@ -289,7 +289,7 @@ class BackwardWatcher:
     # covers the forward, the backward and the parameter gradients with one device->host read.
     def _check(self, where="batch end"):
         if (where == "batch end" and self.steps_seen and not self.closed
-                and torch.is_grad_enabled() and sys._getframe(1).f_code.co_name == "_end_batch"):
+                and torch.is_grad_enabled() and _called_from_batch_end()):
             return None
         return self._original_check(where=where)
 
@@ -304,6 +304,19 @@ class BackwardWatcher:
         if self.inspector.__dict__.get("check") == self._check:
             del self.inspector.check
         _unregister(self)
+
+
+def _called_from_batch_end():
+    """True when the inspector's own batch end (its ``_end_batch``) is checking, as opposed to a
+    script calling ``check()`` itself (which is never deferred)."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_end_batch":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def attach(inspector, scaler_skips=None):

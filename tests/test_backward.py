@@ -329,3 +329,17 @@ def test_gradient_is_named_after_the_module_that_made_it():
         model(torch.randn(3, 4)).sum().backward()
         opt.step()
     assert frames == [("3", "grad_output[0]"), ("3", "grad_input[0]"), ("1", "grad_input[0]")]
+
+
+def test_an_explicit_check_is_never_deferred():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+    with numguard.watch(model, **quiet(backward=True)) as insp:
+        model(x).sum().backward()
+        opt.step()
+        with torch.no_grad():
+            model[3].weight[0, 0] = float("nan")
+        model(x).sum().backward()  # grad enabled: the batch-end check waits for the step
+        with pytest.raises(numguard.NonFiniteError):
+            insp.check()
