@@ -387,7 +387,7 @@ def check_shapes(obj, op: str | None = None, group=None, timeout: float | None =
 
     Runs one all_gather of a fixed-size int64 record (see NOTE: [check record layout]) on the
     group's collective device. On a mismatch every rank raises
-    :class:`DistributedOperationException` with the same message; a rank that does not arrive in
+    :class:`DistributedOperationException` listing the same differences; a rank that does not arrive in
     time makes the others raise :class:`DistributedTimeoutError` naming it. Does nothing without an
     initialized process group, with one rank, or on a rank outside ``group``.
     """
