@@ -4,7 +4,8 @@ from __future__ import annotations
 
 class DistributedOperationException(Exception):
     """Ranks disagree about a collective (shapes, dtypes, structure or operation), or some ranks
-    never arrived at it. Raised on every rank that took part in the check, reporting the same differences."""
+    never arrived at it. Raised on every rank that took part in the check, reporting the same
+    differences."""
 
 
 class DistributedTimeoutError(DistributedOperationException, TimeoutError):

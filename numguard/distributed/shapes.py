@@ -385,10 +385,11 @@ def check_shapes(obj, op: str | None = None, group=None, timeout: float | None =
         details: other arguments ranks must agree on, as text (e.g. ``"src=0"``); compared, and
             shown when they differ.
 
-    Runs one all_gather of a fixed-size int64 record (see NOTE: [check record layout]) on the
-    group's collective device. On a mismatch every rank raises
-    :class:`DistributedOperationException` listing the same differences; a rank that does not arrive in
-    time makes the others raise :class:`DistributedTimeoutError` naming it. Does nothing without an
+    Runs one all_reduce of two int64 (the hash of this rank's record, see NOTE: [check record
+    layout]) on the group's collective device; only when the hashes differ, one all_gather of
+    the fixed-size records. On a mismatch every rank raises
+    :class:`DistributedOperationException` listing the same differences; a rank that does not
+    arrive in time makes the others raise :class:`DistributedTimeoutError` naming it. Does nothing without an
     initialized process group, with one rank, or on a rank outside ``group``.
     """
     if not _co.is_initialized():
