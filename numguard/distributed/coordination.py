@@ -443,7 +443,8 @@ def gather_trip_details(module_name: str | None, batch_number: int, group=None,
     hin_b, *_ = st.gather_buffers(_DETAIL_WORDS)
     payload = b"" if module_name is None else _encode_name(module_name, (_DETAIL_WORDS - 3) * 8)
     flags = (1 if tripped else 0) | (2 if module_name is not None else 0)
-    struct.pack_into("<qqq", hin_b, 0, _DETAIL_MAGIC, int(batch_number), flags | (len(payload) << 8))
+    struct.pack_into("<qqq", hin_b, 0, _DETAIL_MAGIC, int(batch_number),
+                     flags | (len(payload) << 8))
     hin_b[24:] = payload.ljust((_DETAIL_WORDS - 3) * 8, b"\0")
     out = timed_all_gather(st, _DETAIL_WORDS, "numguard trip details (all_gather)", call_site())
     result = []

@@ -351,7 +351,8 @@ def mismatch_message(out: bytearray, world: int, obj, op: str, me: int | None = 
                     how = "same number of elements, different shape"
                 else:
                     idx = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
-                    how = "dim " + ", ".join(map(str, idx)) + " differ" + ("s" if len(idx) == 1 else "")
+                    verb = "differs" if len(idx) == 1 else "differ"
+                    how = "dim " + ", ".join(map(str, idx)) + " " + verb
                 diffs.append(f"  - Process {r}: shape of {b.path} is {_fmt_shape(b.shape)} "
                              f"instead of {_fmt_shape(a.shape)} ({how})")
             if a.dtype != b.dtype:
@@ -389,8 +390,8 @@ def check_shapes(obj, op: str | None = None, group=None, timeout: float | None =
     layout]) on the group's collective device; only when the hashes differ, one all_gather of
     the fixed-size records. On a mismatch every rank raises
     :class:`DistributedOperationException` listing the same differences; a rank that does not
-    arrive in time makes the others raise :class:`DistributedTimeoutError` naming it. Does nothing without an
-    initialized process group, with one rank, or on a rank outside ``group``.
+    arrive in time makes the others raise :class:`DistributedTimeoutError` naming it. Does
+    nothing without an initialized process group, with one rank, or on a rank outside ``group``.
     """
     if not _co.is_initialized():
         return
