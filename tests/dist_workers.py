@@ -247,6 +247,11 @@ def scenario_guard(rank, world):
     return res
 
 
+def scenario_shapes_and_guard(rank, world):
+    """Both 2-rank groups in one launch."""
+    return {"shapes": scenario_shapes(rank, world), "guard": scenario_guard(rank, world)}
+
+
 def scenario_missing(rank, world):
     """The last rank never reaches the check; the others must name it within the timeout."""
     import torch

@@ -141,13 +141,18 @@ def test_numguard_import_does_not_import_torch_distributed_eagerly():
 # multi-rank (gloo, loopback)
 
 @pytest.fixture(scope="module")
-def shapes2():
-    return dist_workers.run_scenario("shapes", 2, timeout=90)
+def two_ranks():
+    return dist_workers.run_scenario("shapes_and_guard", 2, timeout=120)
 
 
 @pytest.fixture(scope="module")
-def guard2():
-    return dist_workers.run_scenario("guard", 2, timeout=90)
+def shapes2(two_ranks):
+    return [r["shapes"] for r in two_ranks]
+
+
+@pytest.fixture(scope="module")
+def guard2(two_ranks):
+    return [r["guard"] for r in two_ranks]
 
 
 @pytest.fixture(scope="module")
