@@ -370,3 +370,38 @@ def test_dist_check_env_installs_the_guard_on_import():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=dist_workers.ROOT, timeout=60, env=env)
     assert out.stdout.split() == ["True", "True"], out.stderr
+
+
+def test_polling_wait_used_for_cuda_collectives_times_out():
+    """The CUDA branch of the timed wait (polling Work.is_completed, no host-blocking wait) gives
+    up after the timeout with a DistributedTimeoutError; tested with a work that never ends."""
+    from types import SimpleNamespace
+
+    from numguard.distributed import coordination
+
+    class NeverDone:
+        def is_completed(self):
+            return False
+
+        def wait(self, *a):
+            raise AssertionError("must not block on a CUDA work")
+
+    class DoneLater:
+        def __init__(self):
+            self.polls = 0
+            self.waited = False
+
+        def is_completed(self):
+            self.polls += 1
+            return self.polls > 3
+
+        def wait(self, *a):
+            self.waited = True
+
+    st = SimpleNamespace(device=torch.device("cuda", 0), store=None, seq=7, global_ranks=[0, 1],
+                         rank=0, name="0")
+    with pytest.raises(ngd.DistributedTimeoutError, match="did not complete within 0.2 s"):
+        coordination._wait(NeverDone(), st, "`op`", "here.py:1", 0.2)
+    later = DoneLater()
+    coordination._wait(later, st, "`op`", "here.py:1", 5.0)
+    assert later.waited  # stream-orders the result after completion
