@@ -3,7 +3,7 @@ TORCH_DISTRIBUTED_DEBUG=DETAIL (2 ranks, gloo, loopback, CPU).
 
     python benchmarks/bench_distributed.py [--iters 200] [--reps 7] [--numel 16]
 
-Launch 1 (plain process group), in one process per rank, conditions interleaved block by block:
+Launch 1 (plain process group), in one process per rank, conditions interleaved call by call:
   - raw `dist.all_reduce` / `dist.all_gather` of a small fp32 tensor, and the same calls with
     `numguard.distributed.guard_collectives()` installed (added = guarded - raw); also with
     `shapes.FAST_PATH = "all_gather"` (every check all-gathers the full records) for comparison;
@@ -86,77 +86,77 @@ def _worker(mode: str, out: str, iters: int, reps: int, numel: int) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     x = torch.randn(numel)
     outs = [torch.empty(numel) for _ in range(world)]
+    raw_all_reduce, raw_all_gather = dist.all_reduce, dist.all_gather
 
-    def raw_all_reduce():
-        dist.all_reduce(x)
-
-    def raw_all_gather():
-        dist.all_gather(outs, x)
-
-    def timed(fn) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return time.perf_counter() - t0
-
-    def guarded(fn, fast_path):
-        def block():
-            shapes.FAST_PATH = fast_path
-            g = ngd.guard_collectives()
-            try:
-                return timed(fn)
-            finally:
-                g.remove()
-                shapes.FAST_PATH = "all_reduce"
-        return block
-
-    def accelerate(fn, debug):
-        def block():
-            # what PartialState does at start-up, refreshed for this block
-            os.environ["ACCELERATE_DEBUG_MODE"] = "1" if debug else "0"
-            state.debug = parse_flag_from_env("ACCELERATE_DEBUG_MODE")
-            try:
-                return timed(lambda: fn(x))
-            finally:
-                os.environ["ACCELERATE_DEBUG_MODE"] = "0"
-                state.debug = False
-        return block
-
-    blocks = {"raw all_reduce": lambda: timed(raw_all_reduce),
-              "raw all_gather": lambda: timed(raw_all_gather)}
+    calls = {"raw all_reduce": lambda: raw_all_reduce(x),
+             "raw all_gather": lambda: raw_all_gather(outs, x)}
     if mode == "plain":
-        blocks.update({
-            "numguard all_reduce": guarded(raw_all_reduce, "all_reduce"),
-            "numguard all_gather": guarded(raw_all_gather, "all_reduce"),
-            "numguard(gather records) all_reduce": guarded(raw_all_reduce, "all_gather"),
-            "numguard(gather records) all_gather": guarded(raw_all_gather, "all_gather"),
-            "numguard check_shapes alone": lambda: timed(lambda: ngd.check_shapes(x, op="bench")),
+        guard = ngd.guard_collectives()  # dist.all_reduce/all_gather are now the checked ones
+        checked_all_reduce, checked_all_gather = dist.all_reduce, dist.all_gather
+
+        def gather_records(fn):
+            def call():
+                shapes.FAST_PATH = "all_gather"
+                try:
+                    fn()
+                finally:
+                    shapes.FAST_PATH = "all_reduce"
+            return call
+
+        def accelerate(fn, debug):
+            # ACCELERATE_DEBUG_MODE is read once into PartialState().debug; set both per call
+            flag = "1" if debug else "0"
+
+            def call():
+                os.environ["ACCELERATE_DEBUG_MODE"] = flag
+                state.debug = parse_flag_from_env("ACCELERATE_DEBUG_MODE")
+                fn(x)
+            return call
+
+        calls.update({
+            "numguard all_reduce": lambda: checked_all_reduce(x),
+            "numguard all_gather": lambda: checked_all_gather(outs, x),
+            "numguard(gather records) all_reduce": gather_records(lambda: checked_all_reduce(x)),
+            "numguard(gather records) all_gather": gather_records(
+                lambda: checked_all_gather(outs, x)),
+            "numguard check_shapes alone": lambda: ngd.check_shapes(x, op="bench"),
             "accelerate reduce (debug off)": accelerate(acc_ops.reduce, False),
             "accelerate reduce (debug on)": accelerate(acc_ops.reduce, True),
             "accelerate gather (debug off)": accelerate(acc_ops.gather, False),
             "accelerate gather (debug on)": accelerate(acc_ops.gather, True),
         })
-    for block in blocks.values():  # warm-up
-        block()
-    samples = {name: [] for name in blocks}
-    for _ in range(reps):  # conditions interleaved block by block
-        for name, block in blocks.items():
-            samples[name].append(block() / iters * 1e6)
+    names = list(calls)
+    samples = {name: [] for name in names}
+    perf = time.perf_counter
+    for rep in range(reps + 1):  # rep 0 warms up
+        dist.barrier()
+        # NOTE: conditions alternate call by call (rotating order), so load from other
+        # processes on the machine hits every condition alike.
+        for i in range(iters):
+            k = i % len(names)
+            for name in names[k:] + names[:k]:
+                fn = calls[name]
+                t0 = perf()
+                fn()
+                if rep:
+                    samples[name].append((perf() - t0) * 1e6)
+    if mode == "plain":
+        guard.remove()
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"mode": mode,
                        "median_us": {k: statistics.median(v) for k, v in samples.items()},
-                       "min_us": {k: min(v) for k, v in samples.items()},
-                       "samples_us": samples}, f)
+                       "min_us": {k: statistics.quantiles(v, n=10)[0]
+                                  for k, v in samples.items()},
+                       "calls": {k: len(v) for k, v in samples.items()}}, f)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=200, help="calls per timed block")
-    ap.add_argument("--reps", type=int, default=7, help="timed blocks per condition")
+    ap.add_argument("--iters", type=int, default=300, help="calls per condition per round")
+    ap.add_argument("--reps", type=int, default=3, help="timed rounds (after one warm-up)")
     ap.add_argument("--numel", type=int, default=16, help="elements of the fp32 tensor")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -184,9 +184,10 @@ def main() -> None:
                          "numguard_over_accelerate": ng / acc if acc > 0 else float("nan"),
                          "numguard_over_detail": ng / det if det > 0 else float("nan")})
         tables[stat] = rows
-        label = "median" if stat == "median_us" else "fastest"
-        print(f"\n2 ranks, gloo, loopback, fp32[{args.numel}], {label} of {args.reps} blocks x "
-              f"{args.iters} calls (microseconds per call; + = added latency)")
+        label = "median" if stat == "median_us" else "10th percentile"
+        print(f"\n2 ranks, gloo, loopback, fp32[{args.numel}], {label} of {args.reps} x "
+              f"{args.iters} calls per condition, interleaved call by call (microseconds per "
+              "call; + = added latency)")
         print(f"{'collective':<11} {'raw':>8} {'+numguard':>10} {'+ng(gather)':>12} "
               f"{'+accelerate':>12} {'+DETAIL':>9} {'ng/acc':>7} {'ng/DETAIL':>9}")
         for r in rows:
