@@ -331,6 +331,7 @@ class Inspector:
         self._wcache = None               # (parameter ids, layout, weakrefs to parameters, dtypes)
         self._w_limits_inv = None
         self._last_check_frames = 0
+        self._where = "batch end"         # what the current check is called for (shown in reports)
         self._async_host = None
         self._async_np = None
         self._async_event = None
@@ -829,6 +830,7 @@ class Inspector:
         return self._state_buf, False
 
     def _check_now_sync(self, where):
+        self._where = where
         src, dist_flags = self._flag_source()
         values = src.tolist()  # the one device->host read of a checked batch
         boundary = len(self._frames)
@@ -843,6 +845,7 @@ class Inspector:
         self._async_event = torch.cuda.Event() if pin else None
 
     def _check_async(self, where):
+        self._where = where
         pending = self._async_pending
         if pending is not None:
             if self._async_event is not None and not self._async_event.query():
@@ -989,7 +992,7 @@ class Inspector:
         return {
             "format": "numguard-report", "version": 1,
             "batch_number": hf_batch, "batch": batch, "found_at_batch": found_at,
-            "check": self.check_mode, "check_every": self.check_every,
+            "check": self.check_mode, "check_every": self.check_every, "where": self._where,
             "rank": _rank(), "ranks": [],
             "module": off[_F_OWNER].name, "class": off[_F_OWNER].cls, "labels": bad, "section": section,
             "max_frames_to_save": self.max_frames_to_save, "headroom": self.headroom,

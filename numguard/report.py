@@ -204,6 +204,9 @@ def summary_lines(report: dict) -> list[str]:
     if ranks:
         out.append("numguard: ranks that tripped: " + ", ".join(
             f"{r} ({m if m else '(root module)'})" if m is not None else str(r) for r, m in ranks))
+    where = report.get("where")
+    if where and where not in ("batch end", "close"):
+        out.append(f"numguard: found at the check {where!r}")
     found = report.get("found_at_batch")
     if report.get("check") == "async" and found is not None:
         out.append(f"numguard: check=\"async\" found this trip at the end of batch_number={found}, "
