@@ -572,3 +572,17 @@ def test_forward_only_batches_reuse_weight_stats_until_a_weight_changes(backend,
     model(torch.randn(2, 8))
     assert len(calls) == 4
     insp.close(check=False)
+
+
+def test_tracing_keeps_buffers_bounded(backend):
+    model = MLP()
+    texts = []
+    insp = numguard.watch(model, trace_batch_nums=range(0, 60, 2), report_to=texts.append)
+    sizes = []
+    for step in range(60):
+        model(torch.randn(2, 8))
+        if step in (9, 59):
+            sizes.append((len(insp._frames), insp._ring.shape[0], len(insp._wtables), len(insp._seen)))
+    insp.close()
+    assert len(texts) == 30 and "*** Starting batch number=58 ***" in texts[-1]
+    assert sizes[0] == sizes[1]
