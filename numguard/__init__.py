@@ -7,6 +7,7 @@
 from .ops import STAT_FIELDS, backend, multi_tensor_stats, record_, tensor_stats
 from .errors import NonFiniteError
 from .inspector import DebugUnderflowOverflow, Inspector, detect_overflow, watch
+from . import dump  # noqa: E402  (numguard.dump.load / render_file for dump files)
 
 __all__ = ["STAT_FIELDS", "backend", "multi_tensor_stats", "record_", "tensor_stats",
            "watch", "Inspector", "DebugUnderflowOverflow", "detect_overflow", "NonFiniteError"]
