@@ -586,3 +586,20 @@ def test_tracing_keeps_buffers_bounded(backend):
     insp.close()
     assert len(texts) == 30 and "*** Starting batch number=58 ***" in texts[-1]
     assert sizes[0] == sizes[1]
+
+
+def test_ring_cap_drops_old_frames_but_still_detects(backend, monkeypatch):
+    monkeypatch.setattr(numguard.inspector, "_MAX_RING", 256)
+    model = MLP()
+    insp = numguard.watch(model, **quiet(check_every=1000, max_frames_to_save=3))
+    for _ in range(300):
+        model(torch.randn(2, 8))
+    assert insp._ring.shape[0] <= 256 and len(insp._frames) < 300 * 4
+    with torch.no_grad():
+        model.b.weight[0, 0] = float("nan")
+    model(torch.randn(2, 8))
+    with pytest.raises(numguard.NonFiniteError) as info:
+        insp.check()
+    assert info.value.module == "b" and info.value.batch_number == 300
+    assert "Last 3 forward frames:" in info.value.report
+    insp.close(check=False)
