@@ -76,6 +76,15 @@ if _native is not None:
         return None
 
 
+def _check_for_native(xs: list, what: str = "xs") -> None:
+    """The native kernels check dtype, layout and devices themselves with the same messages; what
+    they never see is a meta or non-tensor argument (meta goes to the fake kernel), so only those
+    are screened here: a per-call cost of a few attribute reads, not a full Python validation."""
+    for x in xs:
+        if not isinstance(x, torch.Tensor) or x.is_meta:
+            check_same_device(xs, what)
+
+
 def tensor_stats(x: torch.Tensor) -> torch.Tensor:
     """float64[8] stats record of `x` on x.device (fields: STAT_FIELDS). No host sync."""
     check_tensor(x)
@@ -87,9 +96,10 @@ def tensor_stats(x: torch.Tensor) -> torch.Tensor:
 def multi_tensor_stats(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     """float64[len(xs), 8]: the record of each tensor, all on one device. No host sync."""
     xs = list(xs)
-    check_same_device(xs)
     if _native is None:
+        check_same_device(xs)
         return _torch_ops.multi_tensor_stats(xs)
+    _check_for_native(xs)
     if not xs:  # no tensor argument: the dispatcher could not pick a device
         return torch.empty((0, NUM_STATS), dtype=torch.float64)
     return torch.ops.numguard.multi_tensor_stats.default(xs)
@@ -100,8 +110,8 @@ def new_ring(num_records: int, device=None) -> tuple[torch.Tensor, torch.Tensor]
     if not isinstance(num_records, int) or num_records < 1:
         raise ValueError(f"numguard: a ring needs at least one record, got num_records={num_records!r}")
     ring = torch.zeros((num_records, NUM_STATS), dtype=torch.float64, device=device)
-    state = torch.tensor([0, -1, 0, -1], dtype=torch.int64, device=device)
-    assert state.numel() == STATE_SIZE
+    state = torch.empty(STATE_SIZE, dtype=torch.int64, device=device)
+    reset_state(state)
     return ring, state
 
 
@@ -116,8 +126,9 @@ def record_(ring: torch.Tensor, state: torch.Tensor, xs: Sequence[torch.Tensor],
     """Record xs into ring[(position + i) % len(ring)] unless the ring is frozen by an earlier trip;
     trip `state` on NaN/Inf (first offending position kept), flag headroom. No host sync."""
     xs = list(xs)
-    check_same_device(xs)
     if _native is None:
+        check_same_device(xs)
         _torch_ops.record_(ring, state, xs, position, headroom)
         return
+    _check_for_native(xs)
     torch.ops.numguard.record_.default(ring, state, xs, position, headroom)
