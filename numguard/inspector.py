@@ -221,6 +221,11 @@ def _unique_params(params):
     return unique
 
 
+def _is_distributed_failure(exc: BaseException) -> bool:
+    errors = sys.modules.get("numguard.distributed.errors")  # loaded only when distributed is in use
+    return errors is not None and isinstance(exc, errors.DistributedOperationException)
+
+
 class Inspector:
     """Watches every module of `model` (forward hooks), keeping stats on the device until a
     NaN/Inf trips. Use `watch(model, ...)` to create one; it is a context manager, and `close()`
@@ -812,6 +817,9 @@ class Inspector:
         except (NonFiniteError, AbortAfterBatch):
             raise
         except Exception as exc:
+            if _is_distributed_failure(exc):
+                # Ranks disagree or one never arrived: going on would hang the next collective.
+                raise
             key = ("internal", fn.__name__)
             if key not in self._warned:
                 self._warned.add(key)

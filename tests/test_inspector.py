@@ -335,6 +335,30 @@ def test_numguard_failure_in_a_hook_warns_once_and_stops_watching_that_module(ba
     insp.close()
 
 
+def test_batch_end_failure_warns_but_a_distributed_failure_propagates(monkeypatch):
+    from numguard.distributed.errors import DistributedTimeoutError
+
+    model = MLP()
+    insp = numguard.watch(model, **quiet())
+
+    def broken_flag_source():
+        raise RuntimeError("flag read failed")
+
+    monkeypatch.setattr(insp, "_flag_source", broken_flag_source)
+    with pytest.warns(InspectorWarning, match="flag read failed"):
+        model(torch.randn(2, 8))
+
+    def missing_rank():
+        raise DistributedTimeoutError("rank 1 never arrived", missing_ranks=[1])
+
+    # A rank that never reached the batch-end check: carrying on would hang the next collective.
+    monkeypatch.setattr(insp, "_flag_source", missing_rank)
+    with pytest.raises(DistributedTimeoutError, match="rank 1 never arrived"):
+        model(torch.randn(2, 8))
+    monkeypatch.undo()
+    insp.close()
+
+
 def test_module_called_several_times_per_batch(backend):
     class Loop(nn.Module):
         def __init__(self):
