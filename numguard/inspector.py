@@ -30,6 +30,7 @@ import weakref
 
 import torch
 
+from . import env as _env
 from . import ops
 from . import report as _report
 from .errors import AbortAfterBatch, HeadroomWarning, InspectorWarning, NonFiniteError, NonFiniteWarning
@@ -1184,12 +1185,16 @@ class Inspector:
         self._record(owner, [var], [str(ctx)], [_T | _EXTRA], "forward", False, False)
 
 
-def watch(model: torch.nn.Module, max_frames_to_save: int = 21, trace_batch_nums=(), abort_after_batch_num=None,
-          **options) -> Inspector:
+def watch(model: torch.nn.Module, max_frames_to_save=_env.UNSET, trace_batch_nums=_env.UNSET,
+          abort_after_batch_num=_env.UNSET, **options) -> Inspector:
     """Watch every module of `model`; returns an Inspector (a context manager). See Inspector
     for the options (backward, check, check_every, on_trip, dump_dir, headroom, report_to,
-    extras)."""
-    return Inspector(model, max_frames_to_save, trace_batch_nums, abort_after_batch_num, **options)
+    extras). Arguments left out take their NUMGUARD_* variable (numguard.env), then the defaults
+    (max_frames_to_save=21, trace_batch_nums=(), abort_after_batch_num=None, backward=False,
+    check="sync", check_every=1, on_trip="raise", dump_dir=None)."""
+    passed = dict(options, max_frames_to_save=max_frames_to_save, trace_batch_nums=trace_batch_nums,
+                  abort_after_batch_num=abort_after_batch_num)
+    return Inspector(model, **_env.resolve_watch_options(passed))
 
 
 class DebugUnderflowOverflow(Inspector):

@@ -111,3 +111,42 @@ def test_env_module_imports_nothing_heavy():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False"]
+
+
+def _model():
+    import torch
+    return torch.nn.Sequential(torch.nn.Linear(2, 2))
+
+
+def test_watch_takes_unset_arguments_from_the_variables(monkeypatch):
+    import numguard
+    monkeypatch.setenv("NUMGUARD_MAX_FRAMES", "4")
+    monkeypatch.setenv("NUMGUARD_ON_TRIP", "warn")
+    monkeypatch.setenv("NUMGUARD_CHECK_EVERY", "3")
+    monkeypatch.setenv("NUMGUARD_TRACE_BATCHES", "2,5-6")
+    with numguard.watch(_model(), report_to=None) as insp:
+        assert insp.max_frames_to_save == 4
+        assert insp.on_trip == "warn"
+        assert insp.check_every == 3
+        assert sorted(insp.trace_batch_nums) == [2, 5, 6]
+    with numguard.watch(_model(), 9, on_trip="raise", check_every=1, report_to=None) as insp:
+        assert insp.max_frames_to_save == 9          # arguments win
+        assert insp.on_trip == "raise" and insp.check_every == 1
+        assert sorted(insp.trace_batch_nums) == [2, 5, 6]
+
+
+def test_watch_defaults_without_variables(monkeypatch):
+    import numguard
+    for name in list(__import__("os").environ):
+        if name.startswith("NUMGUARD_"):
+            monkeypatch.delenv(name)
+    with numguard.watch(_model(), report_to=None) as insp:
+        assert insp.max_frames_to_save == 21 and insp.on_trip == "raise"
+        assert insp.check_mode == "sync" and insp.check_every == 1 and not insp.backward
+
+
+def test_watch_fails_fast_on_an_invalid_variable(monkeypatch):
+    import numguard
+    monkeypatch.setenv("NUMGUARD_ON_TRIP", "explode")
+    with pytest.raises(EnvironmentSettingError, match="NUMGUARD_ON_TRIP='explode'"):
+        numguard.watch(_model(), report_to=None)
