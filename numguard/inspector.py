@@ -253,12 +253,14 @@ class Inspector:
             text, or None for nowhere (default: sys.stdout at the time of printing).
         extras: also show what Transformers does not (keyword inputs, contents of dict / list /
             dataclass outputs, deeper nesting) on lines of their own.
+        scaler_skips: with backward=True, a step that torch.amp.GradScaler skips for inf/NaN
+            gradients is "count"ed (default; not a trip) or a "trip" (numguard.backward).
     """
 
     def __init__(self, model: torch.nn.Module, max_frames_to_save: int = 21, trace_batch_nums=(),
                  abort_after_batch_num=None, *, backward: bool = False, check: str = "sync",
                  check_every: int = 1, on_trip: str = "raise", dump_dir=None, headroom: float = 0.5,
-                 report_to=_STDOUT, extras: bool = True):
+                 report_to=_STDOUT, extras: bool = True, scaler_skips: str = "count"):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"numguard.watch: model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(max_frames_to_save, int) or isinstance(max_frames_to_save, bool) or max_frames_to_save < 1:
@@ -370,7 +372,7 @@ class Inspector:
         if backward:
             try:
                 from . import backward as _backward
-                self._backward_watch = _backward.BackwardWatcher(self, model)
+                self._backward_watch = _backward.BackwardWatcher(self, model, scaler_skips=scaler_skips)
             except ImportError:
                 warnings.warn("numguard: backward=True needs numguard.backward, which is not available "
                               "in this installation; watching the forward pass only", InspectorWarning,

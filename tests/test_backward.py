@@ -160,8 +160,7 @@ def test_gradscaler_skip_can_be_a_trip():
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    with numguard.watch(model, **quiet(backward=True)) as insp:
-        insp._backward_watch.scaler_skips = "trip"
+    with numguard.watch(model, **quiet(backward=True, scaler_skips="trip")):
         with pytest.raises(numguard.NonFiniteError) as info:
             _scaler_loop(model, scaler, opt, 3, 1, float("inf"))
     assert info.value.module == "2"
