@@ -831,7 +831,12 @@ class Inspector:
             return None
 
     def _flag_source(self):
-        if _dist_on():
+        # NOTE: [which checks are shared across ranks] Only checks of training batches (grad
+        # enabled) and checks before an optimizer step join the cross-rank exchange: every rank
+        # runs those, while evaluation under no_grad often runs on some ranks only (rank 0's
+        # eval), where a collective would pair with an unrelated one on the other ranks.
+        # Evaluation trips are reported by their own rank.
+        if _dist_on() and (torch.is_grad_enabled() or self._where != "batch end"):
             try:
                 from .distributed import coordination
             except ImportError:

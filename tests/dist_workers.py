@@ -371,6 +371,39 @@ def scenario_trip(rank, world):
     return res
 
 
+def scenario_eval_on_rank0(rank, world):
+    """Rank 0 alone evaluates (no_grad) before training; then both ranks train and rank 1 plants a
+    NaN in its second training batch. The evaluation must not join the cross-rank exchange, so
+    both ranks still raise in the same training step."""
+    import torch
+
+    import numguard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    insp = numguard.watch(model, report_to=None)
+    res = {"train_steps_done": []}
+    try:
+        if rank == 0:
+            with torch.no_grad():
+                for _ in range(2):
+                    model(torch.randn(3, 4))
+        for step in range(3):
+            x = torch.randn(3, 4)
+            if rank == 1 and step == 1:
+                x[0, 0] = float("nan")
+            try:
+                model(x).sum().backward()
+            except numguard.NonFiniteError as exc:
+                res["raised_in_step"] = step
+                res["ranks"] = list(exc.ranks)
+                break
+            res["train_steps_done"].append(step)
+    finally:
+        insp.close()
+    return res
+
+
 def main(argv):
     name, out = argv[1], argv[2]
     result = {}

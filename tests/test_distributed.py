@@ -353,6 +353,14 @@ def test_coordinated_trip_through_watch():
     assert r1["report"] in r1["printed"]
 
 
+def test_evaluation_on_one_rank_does_not_join_the_trip_exchange():
+    r0, r1 = dist_workers.run_scenario("eval_on_rank0", 2, timeout=120)
+    for r in (r0, r1):
+        assert "error" not in r, r.get("error")
+        assert r["train_steps_done"] == [0]
+        assert r["raised_in_step"] == 1 and r["ranks"] == [1]
+
+
 def test_subgroups(world4):
     assert world4[0]["subgroup"] == {"ok": None} and world4[1]["subgroup"] == {"ok": None}
     m2, m3 = world4[2]["subgroup"], world4[3]["subgroup"]
