@@ -29,3 +29,14 @@ def no_host_sync(device):
         yield
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+
+
+@pytest.fixture(params=["native", "torch"])
+def backend(request, monkeypatch):
+    """Runs a test on the native kernels (when loaded) and on the pure-PyTorch fallback."""
+    if request.param == "native":
+        if numguard.backend() != "native":
+            pytest.skip("native extension not loaded")
+    else:
+        monkeypatch.setattr(numguard.ops, "_native", None)
+    return request.param

@@ -3,11 +3,10 @@ steps, GradScaler skips, host syncs, clean-up."""
 import pytest
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import numguard
 from numguard import backward as ng_backward
+from inspector_helpers import SyncCounter
 
 
 class BadGradient(torch.autograd.Function):
@@ -190,34 +189,6 @@ def test_gradscaler_does_not_hide_a_forward_nan():
     assert error.module == "3" and error.batch_number == 2
 
 
-class SyncCounter(TorchDispatchMode):
-    """Counts host syncs: aten._local_scalar_dense in the dispatcher, and the Tensor methods that
-    read device values (item, tolist, __bool__, __float__, __int__, cpu, numpy)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
-class MethodSyncCounter(TorchFunctionMode):
-    METHODS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
-               torch.Tensor.__int__, torch.Tensor.cpu, torch.Tensor.numpy}
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.METHODS:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_healthy_backward_steps_read_the_device_at_most_once_per_step():
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # SGD reads nothing back itself
@@ -231,13 +202,12 @@ def test_healthy_backward_steps_read_the_device_at_most_once_per_step():
 
     with numguard.watch(model, **quiet(backward=True)):
         step()  # the first batch also checks at its end (no optimizer seen yet)
-        dispatch, methods = SyncCounter(), MethodSyncCounter()
         steps = 4
-        with dispatch, methods:
+        with SyncCounter()() as counter:
             for _ in range(steps):
                 step()
-    assert dispatch.count + methods.count <= steps, (dispatch.count, methods.count)
-    assert methods.count >= steps  # the one read per step is there (a real check happens)
+    assert counter.total <= steps, counter.where
+    assert counter.numguard >= steps  # the one read per step is there (a real check happens)
 
 
 def test_close_removes_every_hook():
@@ -289,11 +259,10 @@ def test_async_backward_steps_never_read_the_device():
     with numguard.watch(model, **quiet(backward=True, check="async")):
         step()
         step()
-        dispatch, methods = SyncCounter(), MethodSyncCounter()
-        with dispatch, methods:
+        with SyncCounter()() as counter:
             for _ in range(4):
                 step()
-    assert dispatch.count + methods.count == 0, (dispatch.count, methods.count)
+    assert counter.total == 0, counter.where
 
 
 def test_async_backward_nan_is_found_at_the_next_check():

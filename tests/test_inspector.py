@@ -16,16 +16,6 @@ from numguard.errors import AbortAfterBatch, HeadroomWarning, InspectorWarning, 
 from inspector_helpers import SyncCounter, tiny_gpt2, train_steps
 
 
-@pytest.fixture(params=["native", "torch"])
-def backend(request, monkeypatch):
-    if request.param == "native":
-        if numguard.backend() != "native":
-            pytest.skip("native extension not loaded")
-    else:
-        monkeypatch.setattr(numguard.ops, "_native", None)
-    return request.param
-
-
 def quiet(**kw):
     kw.setdefault("report_to", None)
     return kw

@@ -9,16 +9,6 @@ from inspector_helpers import hf_vs_numguard, make_overflow, tiny_gpt2, tiny_t5
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
-@pytest.fixture(params=["native", "torch"])
-def backend(request, monkeypatch):
-    if request.param == "native":
-        if numguard.backend() != "native":
-            pytest.skip("native extension not loaded")
-    else:
-        monkeypatch.setattr(numguard.ops, "_native", None)
-    return request.param
-
-
 def gpt2_batches(n=2):
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
     return [lambda m: m(ids)] * n

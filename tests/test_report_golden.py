@@ -44,16 +44,6 @@ def build():
     return model.half()
 
 
-@pytest.fixture(params=["native", "torch"])
-def backend(request, monkeypatch):
-    if request.param == "native":
-        if numguard.backend() != "native":
-            pytest.skip("native extension not loaded")
-    else:
-        monkeypatch.setattr(numguard.ops, "_native", None)
-    return request.param
-
-
 def forward_trip_report():
     """A healthy batch 0, then the head overflows in batch 1, found at the check after batch 1."""
     model = build()
