@@ -19,7 +19,9 @@ import time
 
 import torch
 
-import numguard
+# Run from a checkout: the repository root (numguard built in place) comes first.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import numguard  # noqa: E402
 from numguard import _torch_ops, ops
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -24,13 +24,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import platform
 import statistics
 import time
 
 import torch
 
-import numguard
+# Run from a checkout: the repository root (numguard built in place) comes first.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import numguard  # noqa: E402
 from numguard import _torch_ops
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

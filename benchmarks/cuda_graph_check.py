@@ -7,12 +7,15 @@ replay checked against eager calls. Exits non-zero on any mismatch.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 
 import torch
 
-import numguard
+# Run from a checkout: the repository root (numguard built in place) comes first.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import numguard  # noqa: E402
 from numguard import _torch_ops, ops
 
 FLOAT_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
