@@ -24,21 +24,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numguard  # noqa: E402
 from numguard import _torch_ops, ops
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import time_cuda  # noqa: E402
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-def time_cuda(fn, iters: int, warmup: int = 3) -> float:
-    """Mean seconds per call of fn on the current stream (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
 
 
 def time_wall(fn, reps: int) -> float:
@@ -66,9 +55,9 @@ def bandwidth_rows(sizes_mb, iters):
             got = numguard.tensor_stats(x)
             want = _torch_ops.tensor_stats(x)  # reference on the same device
             exact = bool(torch.equal(got, want))
-            t_stats = time_cuda(lambda: numguard.tensor_stats(x), iters)
-            t_copy = time_cuda(lambda: dst.copy_(x), iters)
-            t_sum = time_cuda(lambda: torch.sum(x), iters)
+            t_stats = time_cuda(lambda: numguard.tensor_stats(x), iters, warmup=3)
+            t_copy = time_cuda(lambda: dst.copy_(x), iters, warmup=3)
+            t_sum = time_cuda(lambda: torch.sum(x), iters, warmup=3)
             stats_gbs = nbytes / t_stats / 1e9
             copy_gbs = 2 * nbytes / t_copy / 1e9
             sum_gbs = nbytes / t_sum / 1e9

@@ -170,8 +170,13 @@ def print_row(row):
 # ---------------------------------------------------------------------------------------------
 # CUDA
 
-def time_cuda(fn, iters):
+def time_cuda(fn, iters, warmup=0):
+    """Mean seconds per call of fn on the current stream (CUDA events)."""
+    for _ in range(warmup):
+        fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if warmup:
+        torch.cuda.synchronize()
     start.record()
     for _ in range(iters):
         fn()

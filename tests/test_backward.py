@@ -189,16 +189,19 @@ def test_gradscaler_does_not_hide_a_forward_nan():
     assert error.module == "3" and error.batch_number == 2
 
 
-def test_healthy_backward_steps_read_the_device_at_most_once_per_step():
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # SGD reads nothing back itself
-    x = torch.randn(3, 4)
-
+def sgd_step(model, opt, x):
     def step():
         loss = model(x).pow(2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
+    return step
+
+
+def test_healthy_backward_steps_read_the_device_at_most_once_per_step():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # SGD reads nothing back itself
+    step = sgd_step(model, opt, torch.randn(3, 4))
 
     with numguard.watch(model, **quiet(backward=True)):
         step()  # the first batch also checks at its end (no optimizer seen yet)
@@ -248,13 +251,7 @@ def test_invalid_scaler_skips():
 def test_async_backward_steps_never_read_the_device():
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(3, 4)
-
-    def step():
-        loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    step = sgd_step(model, opt, torch.randn(3, 4))
 
     with numguard.watch(model, **quiet(backward=True, check="async")):
         step()
