@@ -2,7 +2,7 @@
 report the frames that led to the first NaN/Inf in the format of Transformers'
 ``DebugUnderflowOverflow``.
 
-Data flow (DESIGN.md "Data flow"):
+Data flow:
 
 - every module gets a forward hook (with kwargs). A hook flattens the frame's tensors (inputs,
   keyword inputs, outputs and their nested containers) and makes ONE ``numguard.ops.record_`` call

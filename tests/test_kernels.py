@@ -63,7 +63,7 @@ def boundary_sizes(itemsize):
 
 
 def reference_stats(x):
-    """The record of DESIGN.md computed with plain torch ops in float64 (every supported dtype
+    """The stats record (numguard.STAT_FIELDS) computed with plain torch ops in float64 (every supported dtype
     converts to float64 monotonically, floats exactly)."""
     if x.numel() == 0:
         return torch.tensor([INF, 0.0, INF, 0, 0, 0, 0, 0], dtype=torch.float64)
