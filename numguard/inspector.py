@@ -25,6 +25,7 @@ import functools
 import math
 import os
 import sys
+import threading
 import warnings
 import weakref
 
@@ -51,8 +52,7 @@ _RECORDABLE = frozenset([torch.float64, torch.float32, torch.float16, torch.bflo
 
 _INPUT_LABELS = tuple(f"input[{i}]" for i in range(64))
 _OUTPUT_LABELS = tuple(f"output[{i}]" for i in range(64))
-_MAX_NESTING = 8       # container depth numguard follows beyond Transformers' output[i][j]
-_MAX_ITEMS = 256       # elements per container numguard follows
+_MAX_NESTING = 64      # container depth followed; deeper contents get a "not checked" line
 _MAX_RING = 1 << 18    # records (16 MiB of float64[8]); older frames drop out beyond this
 
 # Frame tuple fields (a tuple per frame keeps the hook path allocation-light).
@@ -62,6 +62,12 @@ _MAX_RING = 1 << 18    # records (16 MiB of float64[8]); older frames drop out b
 _F_OWNER, _F_BATCH, _F_START, _F_LABELS, _F_KINDS, _F_DTYPES, _F_SHAPES, _F_SECTION, _F_BSTART, \
     _F_NREC, _F_WEIGHTS, _F_HF, _F_POS, _F_LO = range(14)
 _SEEN_LIMIT = 512       # tensors remembered for reuse within a batch
+
+
+def _outside_inference_mode(method):
+    """numguard's own buffers are made and updated as normal tensors even when the model runs
+    under torch.inference_mode(): an inference tensor could not be updated in place after it."""
+    return torch.inference_mode(False)(method)
 
 
 class _STDOUT:  # sentinel: print to whatever sys.stdout is at report time
@@ -79,7 +85,7 @@ _ONE_IN_ONE_OUT_KINDS = (0, 0)
 class _Owner:
     """What a frame belongs to: a watched module, or a name given to record_frame."""
     __slots__ = ("index", "name", "cls", "ref", "wnames", "widx", "flag", "flag_batch", "headroom", "off",
-                 "is_root", "__weakref__")
+                 "is_root", "is_top", "returned", "__weakref__")
 
     def __init__(self, index, name, cls, ref=None):
         self.index = index
@@ -93,6 +99,8 @@ class _Owner:
         self.headroom = 0.0
         self.off = False
         self.is_root = False
+        self.is_top = False      # its return ends a check: the root, or a module called outside it
+        self.returned = False    # its forward returned normally (NOTE: [forward raised])
 
 
 def _device_index(device):
@@ -127,17 +135,20 @@ def _key_label(prefix, key):
 
 
 def _flatten_extra(value, label, xs, labels, kinds, depth):
-    """numguard-only lines for the contents of a container (list, tuple, dict, dataclass)."""
-    if depth > _MAX_NESTING:
-        return
+    """numguard-only lines for the contents of a container (list, tuple, dict, dataclass). Every
+    tensor inside is recorded, however many and however deep (a NaN there is never skipped);
+    only nesting past _MAX_NESTING (or a container holding itself) gets a "not checked" line."""
     if isinstance(value, (tuple, list)):
-        items = ((f"{label}[{i}]", v) for i, v in enumerate(value[:_MAX_ITEMS]))
+        items = ((f"{label}[{i}]", v) for i, v in enumerate(value))
     elif isinstance(value, dict):
-        items = ((_key_label(label, k), v) for k, v in list(value.items())[:_MAX_ITEMS])
+        items = ((_key_label(label, k), v) for k, v in list(value.items()))
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        items = ((f"{label}.{f.name}", getattr(value, f.name, None))
-                 for f in dataclasses.fields(value)[:_MAX_ITEMS])
+        items = ((f"{label}.{f.name}", getattr(value, f.name, None)) for f in dataclasses.fields(value))
     else:
+        return
+    if depth > _MAX_NESTING:
+        labels.append(f"{label} (nested deeper than {_MAX_NESTING} levels: not checked)")
+        kinds.append(_NOT | _EXTRA)
         return
     for lab, v in items:
         if isinstance(v, torch.Tensor):
@@ -153,7 +164,7 @@ def _flatten_extra(value, label, xs, labels, kinds, depth):
             _flatten_extra(v, lab, xs, labels, kinds, depth + 1)
 
 
-def _add(value, label, xs, labels, kinds, extra_nested):
+def _add(value, label, xs, labels, kinds):
     """One Transformers line for `value` (tensor / None / not a tensor), then numguard's lines for
     the contents of a container that Transformers shows as 'not a tensor'."""
     if isinstance(value, torch.Tensor):
@@ -166,19 +177,19 @@ def _add(value, label, xs, labels, kinds, extra_nested):
     else:
         labels.append(label)
         kinds.append(_NOT)
-        if extra_nested:
-            _flatten_extra(value, label, xs, labels, kinds, 1)
+        _flatten_extra(value, label, xs, labels, kinds, 1)
 
 
-def _flatten_frame(args, kwargs, output, extras):
+def _flatten_frame(args, kwargs, output):
     """Tensors of a module call and the labels of every line, in Transformers' order (inputs,
-    keyword inputs, outputs)."""
+    keyword inputs, outputs). Lines Transformers does not print are marked _EXTRA; their tensors
+    are recorded whether or not the report shows them (`extras`), so a NaN is never missed."""
     xs = []
     labels = []
     kinds = []
     for i, a in enumerate(args):
-        _add(a, _INPUT_LABELS[i] if i < 64 else f"input[{i}]", xs, labels, kinds, extras)
-    if kwargs and extras:
+        _add(a, _INPUT_LABELS[i] if i < 64 else f"input[{i}]", xs, labels, kinds)
+    if kwargs:
         for k, v in kwargs.items():
             lab = "kwargs." + k
             if isinstance(v, torch.Tensor):
@@ -198,11 +209,11 @@ def _flatten_frame(args, kwargs, output, extras):
             lab = _OUTPUT_LABELS[i] if i < 64 else f"output[{i}]"
             if isinstance(x, tuple):
                 for j, y in enumerate(x):
-                    _add(y, f"{lab}[{j}]", xs, labels, kinds, extras)
+                    _add(y, f"{lab}[{j}]", xs, labels, kinds)
             else:
-                _add(x, lab, xs, labels, kinds, extras)
+                _add(x, lab, xs, labels, kinds)
     else:
-        _add(output, "output", xs, labels, kinds, extras)
+        _add(output, "output", xs, labels, kinds)
     return xs, labels, kinds
 
 
@@ -317,11 +328,13 @@ class Inspector:
                 device = b.device
                 break
         self._device = device if device is not None and device.type != "meta" else torch.device("cpu")
-        self._ring, _ = ops.new_ring(max(64, 8 * max_frames_to_save), self._device)
+        with torch.inference_mode(False):
+            self._ring, _ = ops.new_ring(max(64, 8 * max_frames_to_save), self._device)
+            self._state_buf = torch.tensor([0, -1, 0, -1, 0, 0, 0, 0], dtype=torch.int64,
+                                           device=self._device)
+            self._state = self._state_buf[0:4]
         self._ring_size = self._ring.shape[0]
         self._device_index = _device_index(self._device)
-        self._state_buf = torch.tensor([0, -1, 0, -1, 0, 0, 0, 0], dtype=torch.int64, device=self._device)
-        self._state = self._state_buf[0:4]
         self._pos = 0
         self._frames = []
         self._frame_starts = []           # start position per frame (for bisect)
@@ -335,7 +348,6 @@ class Inspector:
         self._wtables = {}                # batch -> (device stats [W, 8], layout)
         self._wlayout = None
         self._wlayout_ids = None
-        self._wlast = None                # (layout, parameter versions, stats) for [weight reuse]
         self._wcache = None               # (parameter ids, layout, weakrefs to parameters, dtypes)
         self._w_limits_inv = None
         self._last_check_frames = 0
@@ -347,6 +359,24 @@ class Inspector:
         if check == "async":
             self._make_async_buffer(8)
 
+        self._thread = None
+        self._backward_watch = None
+        try:
+            self._install_hooks(model, headroom)
+            if backward:
+                try:
+                    from . import backward as _backward
+                except ImportError as exc:
+                    warnings.warn(f"numguard: backward=True needs numguard.backward, which cannot be imported "
+                                  f"in this installation ({exc}); gradients are NOT watched, only the "
+                                  "forward pass. Reinstall numguard.", InspectorWarning, stacklevel=2)
+                else:
+                    self._backward_watch = _backward.BackwardWatcher(self, model, scaler_skips=scaler_skips)
+        except BaseException:
+            self.close(check=False)  # a watch() that fails leaves no hook behind
+            raise
+
+    def _install_hooks(self, model, headroom):
         root_name_seen = False
         for name, module in model.named_modules():
             owner = _Owner(len(self._owners), name, module.__class__.__name__, weakref.ref(module))
@@ -354,29 +384,36 @@ class Inspector:
             self._owners.append(owner)
             self._module_names[module] = name
             if module is model and not root_name_seen:
-                owner.is_root = True
+                owner.is_root = owner.is_top = True
                 root_name_seen = True
                 self._root_owner = owner
                 # NOTE: [compile] The root's hooks run outside any torch.compile graph (the batch-end
                 # read must not break a graph in the middle); inner hooks do nothing while compiling.
                 self._handles.append(module.register_forward_pre_hook(
-                    torch.compiler.disable(self._root_pre_hook)))
+                    torch.compiler.disable(functools.partial(self._top_pre_hook, owner))))
                 self._handles.append(module.register_forward_hook(
-                    torch.compiler.disable(functools.partial(self._root_hook, owner)), with_kwargs=True,
-                    always_call=True))
+                    torch.compiler.disable(functools.partial(self._root_hook, owner)), with_kwargs=True))
+                self._add_after_hook(owner, module)
             else:
                 self._handles.append(module.register_forward_hook(
                     functools.partial(self._hook, owner), with_kwargs=True))
 
-        self._backward_watch = None
-        if backward:
-            try:
-                from . import backward as _backward
-                self._backward_watch = _backward.BackwardWatcher(self, model, scaler_skips=scaler_skips)
-            except ImportError:
-                warnings.warn("numguard: backward=True needs numguard.backward, which is not available "
-                              "in this installation; watching the forward pass only", InspectorWarning,
-                              stacklevel=2)
+    def _add_after_hook(self, owner, module):
+        # NOTE: [forward raised] Runs after the returned-hook on a normal return, alone when the
+        # forward raised. Whether an exception is being handled says nothing: a healthy model may
+        # be called inside a user's `except` block.
+        self._handles.append(module.register_forward_hook(
+            torch.compiler.disable(functools.partial(self._top_after_hook, owner)), always_call=True))
+
+    def _make_top(self, owner, module):
+        """A module called outside the root's forward becomes a top module of its own: from its
+        next call on, its return ends a check like the root's (without counting a batch)."""
+        owner.is_top = True
+        self._handles.append(module.register_forward_pre_hook(
+            torch.compiler.disable(functools.partial(self._top_pre_hook, owner))))
+        self._handles.append(module.register_forward_hook(
+            torch.compiler.disable(functools.partial(self._top_returned_hook, owner))))
+        self._add_after_hook(owner, module)
 
     # ------------------------------------------------------------------------------------------
     # Public surface
@@ -470,28 +507,60 @@ class Inspector:
     # ------------------------------------------------------------------------------------------
     # Hooks (no host sync in here)
 
-    def _root_pre_hook(self, module, args):
+    def _top_pre_hook(self, owner, module, args):
         if self._depth == 0:
+            self._thread = threading.get_ident()
             if not self._batch_open:
                 self._begin_batch()
             if self not in _active:
                 _active.append(self)
+        elif self._thread != threading.get_ident():
+            self._warn_threads()
         self._depth += 1
 
-    def _root_hook(self, owner, module, args, kwargs, output):
-        if sys.exc_info()[0] is not None:
-            # The root forward raised: the batch did not finish; nothing to record.
-            self._depth = max(0, self._depth - 1)
-            if self._depth == 0 and self in _active:
-                _active.remove(self)
-            return None
-        self._hook(owner, module, args, kwargs, output)
+    def _leave_top(self):
         self._depth = max(0, self._depth - 1)
-        if self._depth == 0:
-            if self in _active:
-                _active.remove(self)
+        if self._depth == 0 and self in _active:
+            _active.remove(self)
+        return self._depth == 0
+
+    def _root_hook(self, owner, module, args, kwargs, output):
+        owner.returned = True
+        self._hook(owner, module, args, kwargs, output)
+        if self._leave_top():
             self._end_batch()
         return None
+
+    def _top_returned_hook(self, owner, module, args, output):
+        owner.returned = True
+        if self._leave_top():
+            self._end_direct_call(owner)
+        return None
+
+    def _top_after_hook(self, owner, module, args, output):
+        if owner.returned:
+            owner.returned = False
+            return None
+        # The forward raised (NOTE: [forward raised]): the batch did not finish.
+        if self._leave_top():
+            self._guarded(self._after_raised_forward, sys.exc_info()[1])
+        return None
+
+    def _end_direct_call(self, owner):
+        """A watched module called outside the root's forward has returned: check now, or its NaN
+        would wait for a root call that may never come."""
+        self._batch_open = False
+        self._seen.clear()
+        self._guarded(self.check, f"{owner.name or '(root module)'} ({owner.cls}) returned outside the "
+                                  "root's forward")
+
+    def _warn_threads(self):
+        if "threads" not in self._warned:
+            self._warned.add("threads")
+            warnings.warn("numguard: the watched model is being called from several threads at once; one "
+                          "Inspector counts batches for one thread, so batch numbers and the module "
+                          "blamed for a trip may be wrong. Watch a separate model object per thread.",
+                          InspectorWarning, stacklevel=4)
 
     def _hook(self, owner, module, args, kwargs, output):
         if owner.off or self._closed or _is_compiling():
@@ -502,10 +571,17 @@ class Inspector:
                 self._record(owner, [args[0], output], _ONE_IN_ONE_OUT_LABELS, _ONE_IN_ONE_OUT_KINDS,
                              "forward", True, True)
                 return None
-            xs, labels, kinds = _flatten_frame(args, kwargs, output, self.extras)
+            xs, labels, kinds = _flatten_frame(args, kwargs, output)
             self._record(owner, xs, labels, kinds, "forward", True, True)
         except Exception as exc:  # numguard's own failure must not kill the job
             self._disable(owner, exc)
+        if self._depth == 0 and not owner.is_top:
+            # Called outside the root's forward (e.g. model.encoder(x) directly).
+            try:
+                self._make_top(owner, module)
+            except Exception as exc:
+                self._disable(owner, exc)
+            self._end_direct_call(owner)
         return None
 
     def _record(self, owner, xs, labels, kinds, section, hf, weights):
@@ -554,7 +630,15 @@ class Inspector:
             window = lo if not self._frames or lo < self._window_lo else self._window_lo
             if pos + n - window > self._ring_size:
                 self._grow(pos + n - window)
-            ops.record_(self._ring, self._state, new, pos, owner.headroom)
+            try:
+                ops.record_(self._ring, self._state, new, pos, owner.headroom)
+            except Exception:
+                if not clean or not any(x.is_meta or x.is_nested for x in fresh):
+                    raise
+                # The quick screen above passes what only the op can reject (meta, nested
+                # tensors): record their values through _sanitize instead of losing the frame.
+                new[:len(fresh)] = self._sanitize(fresh)
+                ops.record_(self._ring, self._state, new, pos, owner.headroom)
             self._pos = pos + n
             if len(seen) > _SEEN_LIMIT:
                 seen.clear()
@@ -574,22 +658,35 @@ class Inspector:
         self._frame_starts.append(pos)
 
     def _sanitize(self, xs):
-        """Make a frame's tensors recordable: complex -> real view, other devices -> copied to the
-        ring's device, sparse/meta/unsupported -> an empty stand-in (shown as having no values)."""
+        """Make a frame's tensors recordable, keeping every value that can hold a NaN: sparse,
+        nested and quantized tensors are recorded through their values, complex through its real
+        view, other devices copied to the ring's device; a meta tensor (no values) becomes an
+        empty stand-in."""
         out = []
         for x in xs:
-            if x.layout != torch.strided or x.device.type == "meta":
+            x = x.detach()
+            if x.is_meta:
                 out.append(torch.empty(0, device=self._device))
                 continue
+            if x.is_nested:
+                parts = [t.reshape(-1) for t in x.unbind()]
+                x = torch.cat(parts) if parts else torch.empty(0, dtype=x.dtype, device=x.device)
+            elif x.layout == torch.sparse_coo:
+                x = x._values()
+            elif x.layout != torch.strided:  # compressed sparse layouts (CSR, CSC, BSR, BSC)
+                x = x.values()
+            if x.is_quantized:
+                x = x.dequantize()
             if x.is_complex():
                 x = torch.view_as_real(x)
             if x.dtype not in _RECORDABLE:
-                x = x.detach().to(torch.float64)
+                x = x.to(torch.float64)
             if x.device != self._device:
-                x = x.detach().to(self._device, non_blocking=self._device.type == "cuda")
+                x = x.to(self._device, non_blocking=self._device.type == "cuda")
             out.append(x)
         return out
 
+    @_outside_inference_mode
     def _grow(self, needed):
         old = self._ring
         size = old.shape[0]
@@ -648,6 +745,7 @@ class Inspector:
     # ------------------------------------------------------------------------------------------
     # Weights: one stats launch per batch
 
+    @_outside_inference_mode
     def _begin_batch(self):
         self._batch_open = True
         try:
@@ -706,24 +804,12 @@ class Inspector:
             self._build_layout(params, ids)
             self._wcache = None
             layout = self._wlayout
-        # NOTE: [weight reuse] Forward-only batches (grad disabled: evaluation, inference) whose
-        # parameters kept their version counters since the last table reuse it: no launch at all.
-        # Training batches always recompute (an update through `.data` does not bump a version).
-        versions = None
-        if not torch.is_grad_enabled():
-            try:
-                versions = tuple(p._version for p in unique)
-            except RuntimeError:
-                versions = None
-            last = self._wlast
-            if versions is not None and last is not None and last[0] is layout and last[1] == versions:
-                self._wtables[self._batches_done] = (last[2], layout)
-                return
+        # Every batch recomputes the table (one launch): parameter version counters cannot be
+        # trusted to skip it, since writes through `.data` do not bump them.
         with torch.no_grad():
             stats = ops.multi_tensor_stats(unique) if layout["one_device"] else torch.cat(
                 [ops.tensor_stats(p).to(self._device).view(1, -1) for p in unique])
         self._wtables[self._batches_done] = (stats, layout)
-        self._wlast = (layout, versions, stats) if versions is not None else None
         bad = (stats[:, _report.NAN] + stats[:, _report.POS_INF] + stats[:, _report.NEG_INF]) > 0
         per_ref = torch.where(bad, math.nan, 0.0).to(torch.float32).index_select(0, layout["wi"])
         flags = layout["flags"]
@@ -778,9 +864,9 @@ class Inspector:
         else:
             self._w_limits_inv = None
 
+    @_outside_inference_mode
     def _move_to(self, device):
         self._device = device
-        self._wlast = None
         self._wcache = None
         self._ring, _ = ops.new_ring(self._ring.shape[0], device)
         self._device_index = _device_index(device)
@@ -837,13 +923,28 @@ class Inspector:
         # eval), where a collective would pair with an unrelated one on the other ranks.
         # Evaluation trips are reported by their own rank.
         if _dist_on() and (torch.is_grad_enabled() or self._where != "batch end"):
-            try:
-                from .distributed import coordination
-            except ImportError:
+            coordination = self._coordination()
+            if coordination is None:
                 return self._state_buf, False
             flags = coordination.exchange_trip(self._state_buf[0])
             return torch.cat([self._state_buf, flags.to(self._device)]), True
         return self._state_buf, False
+
+    def _coordination(self):
+        """numguard.distributed.coordination, or None (with a warning naming it) when this
+        installation cannot import it: the other ranks then learn nothing of this rank's trips."""
+        try:
+            from .distributed import coordination
+        except ImportError as exc:
+            if "coordination" not in self._warned:
+                self._warned.add("coordination")
+                warnings.warn(f"numguard: torch.distributed is initialized but numguard.distributed cannot "
+                              f"be imported ({type(exc).__name__}: {exc}); trips are NOT shared across "
+                              "ranks, so other ranks may train on or hang when this one stops. Reinstall "
+                              "numguard (the wheel must contain numguard/distributed/).", InspectorWarning,
+                              stacklevel=4)
+            return None
+        return coordination
 
     def _check_now_sync(self, where):
         self._where = where
@@ -852,6 +953,7 @@ class Inspector:
         boundary = len(self._frames)
         self._handle(values, dist_flags, boundary, self._pos, found_at=self.batch_number, late=False)
 
+    @_outside_inference_mode
     def _make_async_buffer(self, size):
         """Host memory the async check copies the state into (pinned for CUDA; read through a numpy
         view made once, so reading it later is a plain memory read)."""
@@ -1015,7 +1117,8 @@ class Inspector:
             "backend": ops.backend(), "frames": out_frames,
         }
 
-    def _handle_trip(self, values, others, host_ring, boundary, found_at, late):
+    def _handle_trip(self, values, others, host_ring, boundary, found_at, late, on_trip=None):
+        on_trip = on_trip or self.on_trip
         report = None
         module = None
         labels = []
@@ -1037,14 +1140,11 @@ class Inspector:
             else:
                 module = "(frames no longer in the ring)"
         ranks = []
-        if others:
-            try:
-                from .distributed import coordination
-                ranks = coordination.gather_trip_details(module if values[0] != 0 else None,
-                                                         batch if batch is not None else self.batch_number,
-                                                         tripped=values[0] != 0)
-            except ImportError:
-                ranks = []
+        coordination = self._coordination() if others else None
+        if coordination is not None:
+            ranks = coordination.gather_trip_details(module if values[0] != 0 else None,
+                                                     batch if batch is not None else self.batch_number,
+                                                     tripped=values[0] != 0)
         if report is not None:
             report["ranks"] = [list(r) for r in ranks]
         self.last_report = report
@@ -1058,7 +1158,8 @@ class Inspector:
         if text:
             self._emit(text)
         if report is not None:
-            msg = (f"numguard: inf/nan detected during batch_number={report['batch']} in "
+            on_rank = f" on rank {rank}" if rank is not None else ""
+            msg = (f"numguard: inf/nan detected{on_rank} during batch_number={report['batch']} in "
                    f"{module if module else '(root module)'} ({report['class']}) "
                    f"[{', '.join(labels)}]; the report above shows the frames that led to it")
         else:
@@ -1067,19 +1168,38 @@ class Inspector:
                               for r, m in ranks) or ", ".join(f"rank {r}" for r in tripping)
             msg = (f"numguard: inf/nan detected on {names}; that rank printed the report "
                    "(this rank's values were finite)")
-        if self.on_trip == "raise":
+        if on_trip == "raise":
             raise NonFiniteError(msg, report=text, batch_number=batch if batch is not None else self.batch_number,
                                  module=module if values[0] != 0 else (ranks[0][1] if ranks else None),
                                  labels=labels, rank=rank, ranks=[r for r, _ in ranks])
-        if self.on_trip == "dump" and report is not None:
-            from . import dump as _dump
+        if on_trip == "dump" and report is not None:
+            # Whatever goes wrong writing the file, the trip itself is still reported below.
             try:
+                from . import dump as _dump
                 path = _dump.write(report, self.dump_dir, rank=rank)
                 msg += f"; report written to {path}"
-            except OSError as exc:
-                msg += f"; could not write the dump file ({exc}): fix dump_dir={self.dump_dir!r}"
+            except Exception as exc:
+                msg += (f"; could not write the dump file ({type(exc).__name__}: {exc}): fix "
+                        f"dump_dir={self.dump_dir!r}")
         warnings.warn(msg, NonFiniteWarning, stacklevel=4)
 
+    def _after_raised_forward(self, exc):
+        """The root forward raised. A trip another inspector already raised (or an abort) is not
+        reported twice; otherwise a NaN recorded before the exception is reported now, as a
+        warning (this rank only: the other ranks are not at a check), while the exception goes on."""
+        self._batch_open = False
+        self._seen.clear()
+        if isinstance(exc, (NonFiniteError, AbortAfterBatch)):
+            self._reset_after_trip()
+            return
+        values = self._state_buf.tolist()
+        if values[0] != 0:
+            self._where = f"the forward raised {type(exc).__name__}"
+            host_ring = self._ring.cpu().numpy()
+            self._handle_trip(values, [], host_ring, len(self._frames), self.batch_number, False,
+                              on_trip="warn" if self.on_trip == "raise" else self.on_trip)
+
+    @_outside_inference_mode
     def _reset_after_trip(self):
         self._seen.clear()
         ops.reset_state(self._state)
@@ -1108,6 +1228,7 @@ class Inspector:
     # ------------------------------------------------------------------------------------------
     # Headroom
 
+    @_outside_inference_mode
     def _handle_headroom(self, host_ring, boundary):
         R = host_ring.shape[0]
         limit = self.headroom

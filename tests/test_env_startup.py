@@ -340,5 +340,6 @@ def test_torchrun_two_ranks(job_env):
     assert out.returncode != 0
     text = out.stdout + out.stderr
     assert text.count("Detected inf/nan during batch_number=1") == 2
-    assert text.count("numguard.errors.NonFiniteError: numguard: inf/nan detected during "
-                      "batch_number=1 in module.3 (Linear) [output]") >= 2
+    for rank in range(2):
+        assert text.count(f"numguard.errors.NonFiniteError: numguard: inf/nan detected on rank {rank} "
+                          "during batch_number=1 in module.3 (Linear) [output]") == 1

@@ -4,7 +4,8 @@ It trains a tiny MLP in fp16 and, at step --overflow-at, scales a weight so that
 overflows fp16 (Inf, then NaN). Run as one process, or as several ranks of a gloo job (RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT set, as torchrun does).
 
-    python unmodified_train.py [--steps N] [--overflow-at K] [--nan-grad-at K] [--print-modules]
+    python unmodified_train.py [--steps N] [--overflow-at K] [--overflow-rank R] [--nan-grad-at K]
+                               [--print-modules]
 
 Prints "step N loss X" per step and "finished N steps" at the end (exit status 0).
 """
@@ -41,11 +42,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--overflow-at", type=int, default=-1)
+    parser.add_argument("--overflow-rank", type=int, default=None,
+                        help="only this rank overflows (default: every rank)")
     parser.add_argument("--nan-grad-at", type=int, default=-1)
     parser.add_argument("--print-modules", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
     if world > 1:
         import torch.distributed as dist
 
@@ -60,7 +64,7 @@ def main():
     x = torch.randn(32, 8, dtype=dtype)
     target = torch.randn(32, 4, dtype=dtype)
     for step in range(args.steps):
-        if step == args.overflow_at:
+        if step == args.overflow_at and args.overflow_rank in (None, rank):
             with torch.no_grad():
                 net[3].weight.fill_(3e4)
         net[2].broken = step == args.nan_grad_at
