@@ -27,13 +27,12 @@ gradients right before the optimizer applies them.
 Only gradients computed while a watched forward ran are tapped; forwards under ``torch.compile``
 are not tapped (parameter gradients are still checked before every step).
 """
-import sys
 import threading
 import weakref
 
 import torch
 
-__all__ = ["BackwardWatcher", "SCALER_SKIP_ACTIONS", "attach"]
+__all__ = ["BackwardWatcher", "SCALER_SKIP_ACTIONS"]
 
 SCALER_SKIP_ACTIONS = ("count", "trip")
 _INPUT, _OUTPUT = 0, 1
@@ -140,8 +139,6 @@ class BackwardWatcher:
         for module, name in list(inspector.module_names.items()):
             hook = self._make_forward_hook(name, type(module).__name__)
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
-        self._original_check = inspector.check
-        inspector.check = self._check
         _register(self)
 
     # -- activation gradients ------------------------------------------------------------------
@@ -196,7 +193,7 @@ class BackwardWatcher:
 
     def _record(self, name, class_name, label, grad):
         if self._step_start is None:
-            self._step_start = getattr(self.inspector, "_pos", None)
+            self._step_start = self.inspector.ring_position()
         try:
             self.inspector.record_frame(name, class_name, [label], [grad], section="backward")
             self.recorded_since_check = True
@@ -250,8 +247,9 @@ class BackwardWatcher:
         self.steps_seen += 1
         self.recorded_since_check = False
         self._step_start = None
-        if self.steps_seen % getattr(self.inspector, "check_every", 1) == 0:
-            self._original_check(where="before optimizer step")
+        if self.steps_seen % self.inspector.check_every == 0:
+            # check="async" reads this check's flag one step late (the inspector warned of it).
+            self.inspector.check("before optimizer step")
 
     def on_scaler_skip(self, scaler, optimizer):
         """GradScaler skipped ``optimizer``'s step: its (scaled) gradients held inf/NaN."""
@@ -263,35 +261,24 @@ class BackwardWatcher:
         logging.getLogger("numguard").info(
             "numguard: GradScaler skipped the optimizer step of batch_number=%s (inf/NaN in the "
             "scaled gradients); %d step(s) skipped so far (scaler_skips=%r)",
-            getattr(self.inspector, "batch_number", "?"), self.scaler_skipped_steps, self.scaler_skips)
+            self.inspector.batch_number, self.scaler_skipped_steps, self.scaler_skips)
         start, self._step_start = self._step_start, None
         self.recorded_since_check = False
         if self.scaler_skips == "trip":
-            self._original_check(where="GradScaler skipped the optimizer step")
+            self.inspector.check_now("GradScaler skipped the optimizer step")
             return
         # The overflowing gradient records of this step are the scaler's business, not a trip. A
         # trip recorded before them (in the forward) still is one. Skips are rare and the scaler
         # has just waited for the device itself, so one read of the state costs nothing here.
-        state = getattr(self.inspector, "_state", None)
-        reset = getattr(self.inspector, "_reset_after_trip", None)
-        if state is None or reset is None or start is None:
-            return
-        tripped, first = state[:2].tolist()
-        if not tripped:
-            return
-        if first < start:
-            self._original_check(where="before optimizer step (GradScaler skipped it)")
-        else:
-            reset()
+        if start is not None:
+            self.inspector.forget_trip_from(start, "before optimizer step (GradScaler skipped it)")
 
-    # The inspector's batch-end check, deferred to the optimizer step once this model is seen
-    # training (NOTE: [one read per step]): the step's check reads the same flag, which then
-    # covers the forward, the backward and the parameter gradients with one device->host read.
-    def _check(self, where="batch end"):
-        if (where == "batch end" and self.steps_seen and not self.closed
-                and torch.is_grad_enabled() and _called_from_batch_end()):
-            return None
-        return self._original_check(where=where)
+    def takes_batch_end_check(self) -> bool:
+        """Whether the inspector's batch-end check is left to the optimizer step (NOTE: [one read
+        per step]): once this model is seen training, the step's check reads the same flag and
+        covers the forward, the backward and the parameter gradients with one device->host read.
+        Forwards under no_grad (evaluation) are still checked at their end."""
+        return bool(self.steps_seen) and not self.closed and torch.is_grad_enabled()
 
     def close(self):
         """Remove every hook this watcher added (idempotent)."""
@@ -301,40 +288,31 @@ class BackwardWatcher:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self.inspector.__dict__.get("check") == self._check:
-            del self.inspector.check
         _unregister(self)
-
-
-def _called_from_batch_end():
-    """True when the inspector's own batch end (its ``_end_batch``) is checking, as opposed to a
-    script calling ``check()`` itself (which is never deferred)."""
-    frame = sys._getframe(2)
-    for _ in range(4):
-        if frame is None:
-            return False
-        if frame.f_code.co_name == "_end_batch":
-            return True
-        frame = frame.f_back
-    return False
-
-
-def attach(inspector, scaler_skips=None):
-    """Start watching the gradients of ``inspector.model`` (``watch(..., backward=True)``).
-
-    ``scaler_skips`` defaults to the inspector's ``scaler_skips`` attribute, else "count"."""
-    if scaler_skips is None:
-        scaler_skips = getattr(inspector, "scaler_skips", "count")
-    return BackwardWatcher(inspector, inspector.model, scaler_skips=scaler_skips)
 
 
 # -- process-wide hooks -------------------------------------------------------------------------
 def _optimizer_pre_hook(optimizer, args, kwargs):
     global _steps_taken
     _steps_taken += 1
-    for watcher in _live_watchers():
-        watcher.before_optimizer_step(optimizer)
-    return None
+    watchers = _live_watchers()
+    # torch passes step()'s own arguments, the optimizer first: (optimizer, closure?)
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")
+    if closure is None:
+        for watcher in watchers:
+            watcher.before_optimizer_step(optimizer)
+        return None
+    # A closure (LBFGS, ...) computes the gradients inside step(): check after each evaluation,
+    # before the optimizer applies what it returned.
+    def checked_closure(*c_args, **c_kwargs):
+        result = closure(*c_args, **c_kwargs)
+        for watcher in watchers:
+            watcher.before_optimizer_step(optimizer)
+        return result
+
+    if len(args) > 1:
+        return (args[0], checked_closure) + tuple(args[2:]), kwargs
+    return args, dict(kwargs, closure=checked_closure)
 
 
 def _scaler_step(scaler, optimizer, *args, **kwargs):

@@ -52,7 +52,6 @@ _RECORDABLE = frozenset([torch.float64, torch.float32, torch.float16, torch.bflo
 
 _INPUT_LABELS = tuple(f"input[{i}]" for i in range(64))
 _OUTPUT_LABELS = tuple(f"output[{i}]" for i in range(64))
-_MAX_NESTING = 64      # container depth followed; deeper contents get a "not checked" line
 _MAX_RING = 1 << 18    # records (16 MiB of float64[8]); older frames drop out beyond this
 
 # Frame tuple fields (a tuple per frame keeps the hook path allocation-light).
@@ -134,23 +133,34 @@ def _key_label(prefix, key):
     return f"{prefix}[{key!r}]"
 
 
-def _flatten_extra(value, label, xs, labels, kinds, depth):
-    """numguard-only lines for the contents of a container (list, tuple, dict, dataclass). Every
-    tensor inside is recorded, however many and however deep (a NaN there is never skipped);
-    only nesting past _MAX_NESTING (or a container holding itself) gets a "not checked" line."""
+def _container_items(value, label):
+    """(label, item) pairs of a list, tuple, dict or dataclass instance; None for anything else."""
     if isinstance(value, (tuple, list)):
-        items = ((f"{label}[{i}]", v) for i, v in enumerate(value))
-    elif isinstance(value, dict):
-        items = ((_key_label(label, k), v) for k, v in list(value.items()))
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        items = ((f"{label}.{f.name}", getattr(value, f.name, None)) for f in dataclasses.fields(value))
-    else:
+        return iter([(f"{label}[{i}]", v) for i, v in enumerate(value)])
+    if isinstance(value, dict):
+        return iter([(_key_label(label, k), v) for k, v in list(value.items())])
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return iter([(f"{label}.{f.name}", getattr(value, f.name, None)) for f in dataclasses.fields(value)])
+    return None
+
+
+def _flatten_extra(value, label, xs, labels, kinds):
+    """numguard-only lines for the contents of a container (list, tuple, dict, dataclass), depth
+    first. Every tensor inside is recorded, however many and however deep (an explicit stack, not
+    recursion); only a container that holds itself is not followed again, on a line saying so."""
+    items = _container_items(value, label)
+    if items is None:
         return
-    if depth > _MAX_NESTING:
-        labels.append(f"{label} (nested deeper than {_MAX_NESTING} levels: not checked)")
-        kinds.append(_NOT | _EXTRA)
-        return
-    for lab, v in items:
+    on_path = {id(value)}
+    stack = [(id(value), items)]
+    while stack:
+        owner_id, items = stack[-1]
+        item = next(items, None)
+        if item is None:
+            stack.pop()
+            on_path.discard(owner_id)
+            continue
+        lab, v = item
         if isinstance(v, torch.Tensor):
             xs.append(v)
             labels.append(lab)
@@ -159,9 +169,15 @@ def _flatten_extra(value, label, xs, labels, kinds, depth):
             labels.append(lab)
             kinds.append(_NONE | _EXTRA)
         else:
-            labels.append(lab)
             kinds.append(_NOT | _EXTRA)
-            _flatten_extra(v, lab, xs, labels, kinds, depth + 1)
+            inner = _container_items(v, lab)
+            if inner is not None and id(v) in on_path:
+                labels.append(f"{lab} (holds itself: not followed again)")
+                continue
+            labels.append(lab)
+            if inner is not None:
+                on_path.add(id(v))
+                stack.append((id(v), inner))
 
 
 def _add(value, label, xs, labels, kinds):
@@ -177,7 +193,7 @@ def _add(value, label, xs, labels, kinds):
     else:
         labels.append(label)
         kinds.append(_NOT)
-        _flatten_extra(value, label, xs, labels, kinds, 1)
+        _flatten_extra(value, label, xs, labels, kinds)
 
 
 def _flatten_frame(args, kwargs, output):
@@ -199,7 +215,7 @@ def _flatten_frame(args, kwargs, output):
             elif v is not None:  # keyword arguments left at None carry nothing to show
                 labels.append(lab)
                 kinds.append(_NOT | _EXTRA)
-                _flatten_extra(v, lab, xs, labels, kinds, 1)
+                _flatten_extra(v, lab, xs, labels, kinds)
     if isinstance(output, torch.Tensor):
         xs.append(output)
         labels.append("output")
@@ -372,6 +388,13 @@ class Inspector:
                                   "forward pass. Reinstall numguard.", InspectorWarning, stacklevel=2)
                 else:
                     self._backward_watch = _backward.BackwardWatcher(self, model, scaler_skips=scaler_skips)
+                    if check == "async" or check_every > 1:
+                        warnings.warn(
+                            f"numguard: backward=True with check={check!r}, check_every={check_every}: a "
+                            "NaN/Inf gradient of a step that is not checked synchronously reaches the "
+                            "optimizer, and is reported at the next check (the weights may already hold "
+                            "it). Use check='sync', check_every=1 to raise before any weight is written.",
+                            InspectorWarning, stacklevel=3)
         except BaseException:
             self.close(check=False)  # a watch() that fails leaves no hook behind
             raise
@@ -505,6 +528,35 @@ class Inspector:
             self._check_now_sync(where)
 
     # ------------------------------------------------------------------------------------------
+    # What numguard.backward uses (a small protocol, so the backward watcher never reaches into
+    # the inspector's state)
+
+    def ring_position(self) -> int:
+        """Where the next record goes: frames recorded from here on are 'after' this position."""
+        return self._pos
+
+    def check_now(self, where: str) -> None:
+        """A synchronous check whatever `check` says: the check before an optimizer step must
+        see this step's gradients before any weight is written."""
+        if self._closed:
+            return
+        self._async_pending = None  # the state read now covers what that copy held
+        self._check_now_sync(where)
+
+    def forget_trip_from(self, position: int, where: str) -> None:
+        """Records from `position` on are not a trip (e.g. the gradients of a step GradScaler
+        skipped). One read of the state: a trip recorded before `position` is still handled."""
+        if self._closed:
+            return
+        tripped, first = self._state[:2].tolist()
+        if not tripped:
+            return
+        if first < position:
+            self.check_now(where)
+        else:
+            self._reset_after_trip()
+
+    # ------------------------------------------------------------------------------------------
     # Hooks (no host sync in here)
 
     def _top_pre_hook(self, owner, module, args):
@@ -570,9 +622,9 @@ class Inspector:
                 # Fast path: one positional tensor in, one tensor out (Linear, LayerNorm, Dropout, ...).
                 self._record(owner, [args[0], output], _ONE_IN_ONE_OUT_LABELS, _ONE_IN_ONE_OUT_KINDS,
                              "forward", True, True)
-                return None
-            xs, labels, kinds = _flatten_frame(args, kwargs, output)
-            self._record(owner, xs, labels, kinds, "forward", True, True)
+            else:
+                xs, labels, kinds = _flatten_frame(args, kwargs, output)
+                self._record(owner, xs, labels, kinds, "forward", True, True)
         except Exception as exc:  # numguard's own failure must not kill the job
             self._disable(owner, exc)
         if self._depth == 0 and not owner.is_top:
@@ -602,7 +654,10 @@ class Inspector:
         for x in xs:
             dtype = x.dtype
             dtypes.append(dtype)
-            shapes.append(x.shape)
+            try:
+                shapes.append(x.shape)
+            except RuntimeError:  # nested tensors have no single shape
+                shapes.append(())
             hit = seen.get(id(x))
             # Only tensors with a version counter are ever in `seen` (inference tensors are not).
             if hit is not None and hit[0]() is x and hit[1] == x._version:
@@ -889,7 +944,8 @@ class Inspector:
         traced = batch in self.trace_batch_nums
         if traced:
             self._guarded(self._print_trace, batch)
-        if self._batches_done % self.check_every == 0:
+        watcher = self._backward_watch
+        if self._batches_done % self.check_every == 0 and (watcher is None or not watcher.takes_batch_end_check()):
             self._guarded(self.check, "batch end")
         if traced:
             # Like Transformers, a later report does not reach back into a traced batch.
