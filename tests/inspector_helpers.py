@@ -20,6 +20,34 @@ NUMGUARD_DIR = os.path.dirname(os.path.abspath(numguard.__file__))
 transformers = pytest.importorskip("transformers")
 
 
+def quiet(**kw):
+    """watch() options with the report printed nowhere (it is still on the exception)."""
+    kw.setdefault("report_to", None)
+    return kw
+
+
+def all_hooks(model):
+    """Every hook of every kind on the modules of `model`."""
+    total = 0
+    for m in model.modules():
+        for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                     "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_state_dict_hooks",
+                     "_load_state_dict_pre_hooks"):
+            total += len(getattr(m, name, {}))
+    return total
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.a = torch.nn.Linear(d, d)
+        self.act = torch.nn.ReLU()
+        self.b = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.b(self.act(self.a(x)))
+
+
 def tiny_gpt2(dtype=torch.float32, layers=2, seed=0):
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(seed)

@@ -6,7 +6,7 @@ from torch import nn
 
 import numguard
 from numguard import backward as ng_backward
-from inspector_helpers import SyncCounter
+from inspector_helpers import SyncCounter, quiet
 
 
 class BadGradient(torch.autograd.Function):
@@ -57,11 +57,6 @@ def make_model():
 
 def snapshot(model):
     return [p.detach().clone() for p in model.parameters()]
-
-
-def quiet(**kw):
-    kw.setdefault("report_to", None)
-    return kw
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -14,33 +14,7 @@ from torch import nn
 
 import numguard
 from numguard.errors import AbortAfterBatch, HeadroomWarning, InspectorWarning, NonFiniteWarning
-from inspector_helpers import SyncCounter, tiny_gpt2, train_steps
-
-
-def quiet(**kw):
-    kw.setdefault("report_to", None)
-    return kw
-
-
-class MLP(nn.Module):
-    def __init__(self, d=8):
-        super().__init__()
-        self.a = nn.Linear(d, d)
-        self.act = nn.ReLU()
-        self.b = nn.Linear(d, d)
-
-    def forward(self, x):
-        return self.b(self.act(self.a(x)))
-
-
-def all_hooks(model):
-    total = 0
-    for m in model.modules():
-        for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-                     "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_state_dict_hooks",
-                     "_load_state_dict_pre_hooks"):
-            total += len(getattr(m, name, {}))
-    return total
+from inspector_helpers import MLP, SyncCounter, all_hooks, quiet, tiny_gpt2, train_steps
 
 
 # -- host syncs --------------------------------------------------------------------------------

@@ -11,27 +11,9 @@ from torch import nn
 import numguard
 from numguard.errors import InspectorWarning, NonFiniteWarning
 
+from inspector_helpers import MLP, all_hooks, quiet
+
 NAN = float("nan")
-
-
-def quiet(**kw):
-    kw.setdefault("report_to", None)
-    return kw
-
-
-class MLP(nn.Module):
-    def __init__(self, d=8):
-        super().__init__()
-        self.a = nn.Linear(d, d)
-        self.act = nn.ReLU()
-        self.b = nn.Linear(d, d)
-
-    def forward(self, x):
-        return self.b(self.act(self.a(x)))
-
-
-def hook_count(model):
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
 # --- a healthy forward called while an exception is being handled -------------------------------
@@ -327,10 +309,10 @@ def test_unwritable_dump_dir_still_reports_the_trip(tmp_path, where):
                                      dict(backward=True, scaler_skips=None)])
 def test_failed_watch_leaves_no_hooks(options):
     model = MLP()
-    before = hook_count(model)
+    before = all_hooks(model)
     with pytest.raises((ValueError, TypeError)):
         numguard.watch(model, **quiet(**options))
-    assert hook_count(model) == before
+    assert all_hooks(model) == before
     model(torch.full((2, 8), NAN))  # nobody watches: no orphan raises
 
 
