@@ -148,6 +148,7 @@ class AutoWatcher:
         self.inspectors = []              # (weakref to root, Inspector), oldest first
         self.handle = None
         self._is_compiling = None
+        self._original_compile = None
 
     def install(self):
         import torch
@@ -155,12 +156,28 @@ class AutoWatcher:
 
         self._is_compiling = torch.compiler.is_compiling
         self.handle = register_module_forward_pre_hook(self._global_pre_hook)
+        # A model compiled in place runs its whole call, global hooks included, inside the compiled
+        # frame, where the hook above cannot watch anything: watch such a model before it compiles.
+        self._original_compile = torch.nn.Module.compile
+        watcher = self
+
+        def compile(module, *args, **kwargs):
+            watcher.watch_before_compile(module)
+            return watcher._original_compile(module, *args, **kwargs)
+
+        compile.__doc__ = self._original_compile.__doc__
+        torch.nn.Module.compile = compile
 
     def close(self):
         """Remove the global hook and close every inspector this watcher opened."""
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
+        if self._original_compile is not None:
+            import torch
+
+            torch.nn.Module.compile = self._original_compile
+            self._original_compile = None
         for _, inspector in self.inspectors:
             inspector.close()
         self.inspectors.clear()
@@ -185,11 +202,23 @@ class AutoWatcher:
     # watched root it returns after one integer test; the rest runs once per new root.
     def _global_pre_hook(self, module, args):
         # is_compiling() first: under torch.compile this hook then traces to nothing (no guard on
-        # this watcher's state). A model compiled in place (Module.compile) is therefore only
-        # watched when the script calls numguard.watch itself.
+        # this watcher's state). A model compiled in place (Module.compile) is watched when it
+        # compiles instead (watch_before_compile).
         if self._is_compiling() or self.running or module in self.covered:
             return None
         return self._new_root(module, args)
+
+    def watch_before_compile(self, module):
+        """Watch `module` as a root now: it is about to be compiled in place."""
+        if module in self.covered:
+            return
+        try:
+            self._watch_root(module)
+        except Exception as exc:  # numguard's failure must not kill the job
+            import warnings
+
+            warnings.warn(f"numguard: could not watch {type(module).__name__} before Module.compile() "
+                          f"({type(exc).__name__}: {exc}); it runs unwatched", RuntimeWarning, stacklevel=3)
 
     def _enter(self, module, args):
         self.running += 1
@@ -197,8 +226,12 @@ class AutoWatcher:
     def _exit(self, module, args, output):
         self.running -= 1
 
-    def _new_root(self, module, args):
-        import warnings
+    def _watch_root(self, module):
+        """numguard.watch(module) with the variables' settings, closing the inspectors of earlier
+        roots it contains; None when the script watches it itself. Raises what watch() raises."""
+        import weakref
+
+        import torch
 
         if _has_numguard_hooks(module):  # the script watches it itself
             self.covered.update(module.modules())
@@ -214,19 +247,28 @@ class AutoWatcher:
                 kept.append((ref, inspector))
         self.inspectors = kept
         self.covered.update(submodules)
+        import numguard
+
+        inspector = numguard.watch(module, **self.watch_kwargs)
+        self.inspectors.append((weakref.ref(module, self._root_died), inspector))
+        # Counted as running while its forward runs; outside any compiled graph (Module.compile).
+        module.register_forward_pre_hook(torch.compiler.disable(self._enter))
+        module.register_forward_hook(torch.compiler.disable(self._exit), always_call=True)
+        return inspector
+
+    def _new_root(self, module, args):
+        import warnings
+
         pre_hooks_before = set(module._forward_pre_hooks)
         try:
-            import numguard
-
-            inspector = numguard.watch(module, **self.watch_kwargs)
+            inspector = self._watch_root(module)
         except Exception as exc:  # numguard's failure must not kill the job
             warnings.warn(f"numguard: could not watch {type(module).__name__} "
                           f"({type(exc).__name__}: {exc}); it runs unwatched", RuntimeWarning,
                           stacklevel=3)
             return None
-        import weakref
-
-        self.inspectors.append((weakref.ref(module, self._root_died), inspector))
+        if inspector is None:
+            return None
         # This call already runs: torch took its list of pre-hooks before ours ran, so run the
         # ones watch() just added, and count this call as running (its forward hooks will run).
         new_args = None
@@ -245,10 +287,7 @@ class AutoWatcher:
                 result = hook(module, call_args)
                 if result is not None:
                     new_args = result if isinstance(result, tuple) else (result,)
-        module.register_forward_pre_hook(self._enter)
-        module.register_forward_hook(self._exit, always_call=True)
-        self.running += 1
-        return new_args
+        return new_args  # the loop ran _enter too: this call counts as running
 
 
 def _call_kwargs():

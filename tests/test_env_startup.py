@@ -139,7 +139,18 @@ for _ in range(2):
 from numguard import _startup
 w = _startup.auto_watcher()
 print([type(m).__name__ for m in w.roots()])
-print(len(model[0]._forward_hooks) == len(model[2]._forward_hooks))
+def watchers_of(module):  # the distinct objects whose methods hook `module`
+    found = set()
+    for hook in list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values()):
+        for _ in range(4):
+            if hasattr(hook, "__self__"):
+                found.add(id(hook.__self__))
+                break
+            hook = getattr(hook, "__wrapped__", None) or getattr(hook, "func", None)
+            if hook is None:
+                break
+    return len(found)
+print(watchers_of(model[0]) == watchers_of(model[2]) == 1)
 """
     out = run(["-c", code], job_env(NUMGUARD="1"))
     assert out.returncode == 0, out.stderr
@@ -301,6 +312,36 @@ for step in range(4):
     # Transformers, a report whose offender is the root's output names the next batch number).
     assert "Detected inf/nan during batch_number=" in out.stdout
     assert "OptimizedModule" in out.stdout
+    assert "NonFiniteError" in out.stderr and "batch_number=2" in out.stderr
+
+
+@pytest.mark.parametrize("how", ["model.compile()", "model.compile(backend='eager')", "watched loss too"])
+def test_model_compiled_in_place_in_an_unmodified_script(job_env, how):
+    compile_call = {"model.compile()": "model.compile()",
+                    "model.compile(backend='eager')": "model.compile(backend='eager')",
+                    "watched loss too": "model.compile(); loss_fn = nn.MSELoss()"}[how]
+    code = f"""
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+loss_fn = lambda out: out.pow(2).mean()
+{compile_call}
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(4, 8)
+for step in range(4):
+    if step == 2:
+        with torch.no_grad():
+            model[2].weight.fill_(float("nan"))
+    out = model(x)
+    loss = loss_fn(out, torch.zeros_like(out)) if isinstance(loss_fn, nn.Module) else loss_fn(out)
+    opt.zero_grad(); loss.backward(); opt.step()
+    print("step", step, flush=True)
+"""
+    out = run(["-c", code], job_env(NUMGUARD="1"))
+    assert out.returncode != 0, out.stdout
+    assert "step 1" in out.stdout and "step 2" not in out.stdout
+    assert "Detected inf/nan during batch_number=" in out.stdout
     assert "NonFiniteError" in out.stderr and "batch_number=2" in out.stderr
 
 
