@@ -358,6 +358,7 @@ class Inspector:
         self._seen = {}                   # id(tensor) -> (weakref, version, position), this batch
         self._floor = 0                   # frames before this index are not report context
         self._batches_done = 0
+        self._hf_calls = 0                # module frames recorded (Transformers' total_calls)
         self._depth = 0
         self._batch_open = False
         self._pending_start = 0           # Transformers' "Starting batch number" lines go before the next frame
@@ -445,6 +446,9 @@ class Inspector:
     def batch_number(self) -> int:
         """The 0-indexed current batch: the batch whose forward is running, or whose forward last
         finished (its backward and optimizer step see the same number)."""
+        return self._batch_index()
+
+    def _batch_index(self) -> int:
         if self._depth > 0 or self._batches_done == 0:
             return self._batches_done
         return self._batches_done - 1
@@ -674,7 +678,7 @@ class Inspector:
         fresh = new
         if not clean:
             new = self._sanitize(new)
-        batch = self._batches_done if hf else self.batch_number
+        batch = self._batches_done if hf else self._batch_index()
         if weights and owner.flag is not None and owner.flag_batch != batch:
             # The module's weight flag (NaN when one of its weights is non-finite), first call of the batch.
             owner.flag_batch = batch
@@ -704,6 +708,7 @@ class Inspector:
                 pass
         bstart = None
         if hf:
+            self._hf_calls += 1
             bstart = self._pending_start
             self._pending_start = None
         if not self._frames or lo < self._window_lo:
@@ -951,9 +956,17 @@ class Inspector:
             # Like Transformers, a later report does not reach back into a traced batch.
             self._floor = len(self._frames)
         if self.abort_after_batch_num is not None and batch >= self.abort_after_batch_num:
-            done = self._batches_done
-            raise AbortAfterBatch(
-                f"numguard: aborting after batch_number={batch} ({done} batch{'es' if done != 1 else ''} run) "
+            raise AbortAfterBatch(self._abort_message(batch))
+
+    _trip_message = None  # the NonFiniteError text when a subclass wants its own
+
+    def _trip_reported(self, report, frames_after):
+        """A trip's report is built; `frames_after` module frames were recorded after the offender
+        (numguard checks at the batch end, not inside the offending module's hook)."""
+
+    def _abort_message(self, batch):
+        done = self._batches_done
+        return (f"numguard: aborting after batch_number={batch} ({done} batch{'es' if done != 1 else ''} run) "
                 f"as requested by abort_after_batch_num={self.abort_after_batch_num}")
 
     def _guarded(self, fn, *args):
@@ -1007,7 +1020,7 @@ class Inspector:
         src, dist_flags = self._flag_source()
         values = src.tolist()  # the one device->host read of a checked batch
         boundary = len(self._frames)
-        self._handle(values, dist_flags, boundary, self._pos, found_at=self.batch_number, late=False)
+        self._handle(values, dist_flags, boundary, self._pos, found_at=self._batch_index(), late=False)
 
     @_outside_inference_mode
     def _make_async_buffer(self, size):
@@ -1027,7 +1040,7 @@ class Inspector:
             values = [int(v) for v in self._async_np]
             n, pos, batch = pending
             self._async_pending = None
-            self._handle(values, len(values) > 8, n, pos, found_at=self.batch_number, late=True)
+            self._handle(values, len(values) > 8, n, pos, found_at=self._batch_index(), late=True)
             if self._closed:
                 return
         src, dist_flags = self._flag_source()
@@ -1036,7 +1049,7 @@ class Inspector:
         self._async_host.copy_(src, non_blocking=True)
         if self._async_event is not None:
             self._async_event.record()
-        self._async_pending = (len(self._frames), self._pos, self.batch_number)
+        self._async_pending = (len(self._frames), self._pos, self._batch_index())
 
     def _handle(self, values, dist_flags, boundary, boundary_pos, found_at, late):
         tripped = values[0] != 0
@@ -1199,11 +1212,13 @@ class Inspector:
         coordination = self._coordination() if others else None
         if coordination is not None:
             ranks = coordination.gather_trip_details(module if values[0] != 0 else None,
-                                                     batch if batch is not None else self.batch_number,
+                                                     batch if batch is not None else self._batch_index(),
                                                      tripped=values[0] != 0)
         if report is not None:
             report["ranks"] = [list(r) for r in ranks]
         self.last_report = report
+        if report is not None:
+            self._trip_reported(report, sum(1 for f in self._frames[offender + 1:] if f[_F_HF]))
         self._reset_after_trip()
         rank = _rank()
         if report is not None:
@@ -1213,7 +1228,9 @@ class Inspector:
         self.trips += 1
         if text:
             self._emit(text)
-        if report is not None:
+        if report is not None and self._trip_message is not None:
+            msg = self._trip_message
+        elif report is not None:
             on_rank = f" on rank {rank}" if rank is not None else ""
             msg = (f"numguard: inf/nan detected{on_rank} during batch_number={report['batch']} in "
                    f"{module if module else '(root module)'} ({report['class']}) "
@@ -1225,7 +1242,7 @@ class Inspector:
             msg = (f"numguard: inf/nan detected on {names}; that rank printed the report "
                    "(this rank's values were finite)")
         if on_trip == "raise":
-            raise NonFiniteError(msg, report=text, batch_number=batch if batch is not None else self.batch_number,
+            raise NonFiniteError(msg, report=text, batch_number=batch if batch is not None else self._batch_index(),
                                  module=module if values[0] != 0 else (ranks[0][1] if ranks else None),
                                  labels=labels, rank=rank, ranks=[r for r, _ in ranks])
         if on_trip == "dump" and report is not None:
@@ -1252,7 +1269,7 @@ class Inspector:
         if values[0] != 0:
             self._where = f"the forward raised {type(exc).__name__}"
             host_ring = self._ring.cpu().numpy()
-            self._handle_trip(values, [], host_ring, len(self._frames), self.batch_number, False,
+            self._handle_trip(values, [], host_ring, len(self._frames), self._batch_index(), False,
                               on_trip="warn" if self.on_trip == "raise" else self.on_trip)
 
     @_outside_inference_mode
@@ -1382,11 +1399,77 @@ def watch(model: torch.nn.Module, max_frames_to_save=_env.UNSET, trace_batch_num
 
 
 class DebugUnderflowOverflow(Inspector):
-    """Drop-in for ``transformers.debug_utils.DebugUnderflowOverflow`` with the same signature:
-    the same report lines, from numguard's sync-free device-side recording."""
+    """Drop-in for ``transformers.debug_utils.DebugUnderflowOverflow``: the same signature, the
+    same printed lines (nothing added), the same exception texts and the same public attributes
+    (``batch_number`` counts finished batches, ``detected_overflow``, ``total_calls``, ``frames``,
+    ``prefix``), from numguard's sync-free device-side recording.
 
-    def __init__(self, model, max_frames_to_save=21, trace_batch_nums=None, abort_after_batch_num=None):
-        super().__init__(model, max_frames_to_save, trace_batch_nums or [], abort_after_batch_num)
+    numguard's extras are options here, off by default: ``extras=True`` (keyword inputs, nested
+    outputs and numguard's own report sections), ``headroom=0.5`` (warnings before fp16/bf16
+    overflow), and every other ``watch()`` option.
+
+    One deliberate difference: after a traced batch, Transformers' frame buffer loses its size
+    limit (it becomes a list), so its next report, and its ``frames``, hold every frame since the
+    trace; numguard keeps the last ``max_frames_to_save``, printed exactly as Transformers prints
+    them. Keeping them all would grow memory for the rest of the job. And a NaN inside a traced
+    batch is raised at that batch's end (after its trace), not at the next batch's first module."""
+
+    prefix = " " * 17
+    _trip_message = ("DebugUnderflowOverflow: inf/nan detected, aborting as there is no point running further. "
+                     "Please scroll up above this traceback to see the activation values prior to this event.")
+
+    def __init__(self, model, max_frames_to_save=21, trace_batch_nums=None, abort_after_batch_num=None, *,
+                 extras=False, headroom=0.0, **options):
+        super().__init__(model, max_frames_to_save, trace_batch_nums or [], abort_after_batch_num,
+                         extras=extras, headroom=headroom, **options)
+        self.trace_batch_nums = list(trace_batch_nums or [])  # as given, like Transformers keeps it
+        self._model = model  # a strong reference, like Transformers' `model` attribute
+
+    @property
+    def model(self):
+        return self._model
+
+    _batch_offset = 0
+
+    @property
+    def batch_number(self) -> int:
+        """Batches finished so far (Transformers' meaning: the batch running now, 0-indexed)."""
+        return self._batches_done - self._batch_offset
+
+    def _trip_reported(self, report, frames_after):
+        # Transformers raises inside the offending module's hook: its counters stop there.
+        self._batch_offset = self._batches_done - report["batch_number"]
+        self._hf_calls -= frames_after
+
+    @property
+    def detected_overflow(self) -> bool:
+        """Whether a NaN/Inf has been detected."""
+        return self.trips > 0
+
+    @property
+    def total_calls(self) -> int:
+        """Module forward calls recorded so far."""
+        return self._hf_calls
+
+    @property
+    def frames(self):
+        """The last `max_frames_to_save` frames as Transformers' text blocks. Reading it copies the
+        ring to the host (one device->host copy), so it is for inspection, not for every step."""
+        import collections
+
+        kept = [f for f in self._frames[self._floor:] if f[_F_HF] and f[_F_SECTION] == "forward"]
+        kept = kept[-self.max_frames_to_save:]
+        texts = collections.deque([], self.max_frames_to_save)
+        if kept:
+            host_ring = self._ring.cpu().numpy()
+            tables = self._host_tables({f[_F_BATCH] for f in kept})
+            for f in kept:
+                texts.append(_report.frame_text(self._frame_records(f, host_ring, tables, self._pos), False))
+        return texts
+
+    def _abort_message(self, batch):
+        return (f"DebugUnderflowOverflow: aborting after {self._batches_done} batches due to "
+                f"`abort_after_batch_num={self.abort_after_batch_num}` arg")
 
 
 def _current_module(inspector):

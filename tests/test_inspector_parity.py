@@ -139,13 +139,88 @@ def test_extras_add_lines_but_keep_transformers_lines(backend):
 def test_drop_in_class_has_transformers_signature():
     import inspect
     from transformers.debug_utils import DebugUnderflowOverflow as HF
-    ours = inspect.signature(numguard.DebugUnderflowOverflow.__init__)
-    theirs = inspect.signature(HF.__init__)
-    assert list(ours.parameters) == list(theirs.parameters)
-    model = tiny_gpt2(torch.float16)
-    make_overflow(model.transformer.h[1].mlp.c_fc.weight, torch.float16)
+    ours = inspect.signature(numguard.DebugUnderflowOverflow.__init__).parameters
+    theirs = inspect.signature(HF.__init__).parameters
+    positional = [n for n, p in ours.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert positional == list(theirs)
+    assert all(ours[n].default == theirs[n].default for n in theirs if n != "self")
+    # numguard's extras are keyword-only options, off by default.
+    assert all(p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) for n, p in ours.items() if n not in theirs)
+
+
+def _poisoned(name):
+    if name.startswith("t5"):
+        model = tiny_t5(torch.float16)
+        make_overflow(model.decoder.block[0].layer[2].DenseReluDense.wi.weight, torch.float16)
+        return model, t5_batches(3)
+    dtype = torch.bfloat16 if "bf16" in name else torch.float16
+    model = tiny_gpt2(dtype)
+    batches = gpt2_batches(5)
+    if "traced before" in name:  # the overflow comes in batch 2, after the traced batch 0
+        batches[2] = lambda m, run=batches[2]: make_overflow(m.transformer.h[1].mlp.c_fc.weight, dtype) or run(m)
+    elif "healthy" not in name:
+        make_overflow(model.transformer.h[1].mlp.c_fc.weight, dtype)
+    return model, batches
+
+
+DROP_IN_SCENARIOS = {
+    "gpt2 fp16 overflow": {},
+    "gpt2 bf16 overflow": {},
+    "t5 fp16 overflow": {},
+    "gpt2 fp16 overflow, traced before": {"trace_batch_nums": [0]},
+    "gpt2 healthy": {},
+    "gpt2 healthy, traced 1 and 3": {"trace_batch_nums": [1, 3]},
+    "gpt2 healthy, abort after 2": {"abort_after_batch_num": 2},
+    "gpt2 healthy, 3 frames": {"max_frames_to_save": 3},
+}
+
+
+@pytest.mark.parametrize("scenario", sorted(DROP_IN_SCENARIOS))
+def test_drop_in_prints_raises_and_counts_like_transformers(backend, scenario):
+    """numguard.DebugUnderflowOverflow against Transformers' class on the same model and inputs:
+    every printed line, the exception's type and text, and the public attributes."""
+    import copy
+    from transformers.debug_utils import DebugUnderflowOverflow as HF
     from inspector_helpers import run_batches
-    out, err, d = run_batches(model, lambda m: numguard.DebugUnderflowOverflow(m), gpt2_batches())
-    d.close(check=False)
-    assert isinstance(err, numguard.NonFiniteError)
-    assert "Detected inf/nan during batch_number=0" in out
+    model, batches = _poisoned(scenario)
+    kwargs = DROP_IN_SCENARIOS[scenario]
+    hf_out, hf_err, hf = run_batches(copy.deepcopy(model), lambda m: HF(m, **kwargs), batches)
+    ng_out, ng_err, ng = run_batches(copy.deepcopy(model), lambda m: numguard.DebugUnderflowOverflow(m, **kwargs),
+                                     batches)
+    if "traced before" in scenario:
+        # Known difference: after a traced batch Transformers' frame buffer loses its size limit,
+        # so its next report lists every frame since the trace; numguard's lists the last
+        # max_frames_to_save of them, exactly as Transformers prints those.
+        head, _, tail = ng_out.partition("Last 21 forward frames:\nabs min  abs max  metadata\n")
+        assert tail and hf_out.startswith(head) and hf_out.endswith(tail)
+    else:
+        assert ng_out == hf_out
+    assert (type(hf_err) is None) == (type(ng_err) is None)
+    if hf_err is not None:
+        assert isinstance(ng_err, ValueError) and str(ng_err) == str(hf_err)
+    assert ng.batch_number == hf.batch_number
+    assert ng.detected_overflow == hf.detected_overflow
+    assert ng.total_calls == hf.total_calls
+    if not kwargs.get("trace_batch_nums"):
+        # After a traced batch Transformers' buffer becomes an unbounded list (every frame since the
+        # trace); numguard keeps max_frames_to_save (see DebugUnderflowOverflow's docstring).
+        assert list(ng.frames) == list(hf.frames)
+    assert ng.prefix == hf.prefix
+    assert ng.trace_batch_nums == hf.trace_batch_nums
+    assert ng.abort_after_batch_num == hf.abort_after_batch_num
+    assert ng.model is not None
+    ng.close(check=False)
+
+
+def test_drop_in_extras_are_options():
+    model, batches = _poisoned("gpt2 fp16 overflow")
+    from inspector_helpers import run_batches
+    plain, _, d1 = run_batches(model, lambda m: numguard.DebugUnderflowOverflow(m), batches)
+    d1.close(check=False)
+    model, batches = _poisoned("gpt2 fp16 overflow")
+    extra, _, d2 = run_batches(model, lambda m: numguard.DebugUnderflowOverflow(m, extras=True), batches)
+    d2.close(check=False)
+    assert "numguard: first non-finite value" not in plain
+    assert "numguard: first non-finite value" in extra
+
+
