@@ -2,6 +2,7 @@
 arguments. Hostile values per variable: test_env_hostile.py; watch() arguments:
 test_env_watch_options.py."""
 import logging
+import math
 import os
 import re
 
@@ -263,3 +264,23 @@ def test_huge_max_frames_fails_before_any_allocation(monkeypatch):
     with pytest.raises(env.OptionError, match=r"max_frames_to_save=10000000000 .*512 MB"):
         numguard.watch(model, max_frames_to_save=10 ** 10, report_to=None)
     assert not model[0]._forward_hooks and not model._forward_hooks
+
+
+def test_distributed_reads_the_same_table(monkeypatch):
+    from numguard.distributed import _env as dist_env
+    for name in ("NUMGUARD_DIST_TIMEOUT", "NUMGUARD_DIST_CHECK", "NUMGUARD_LOG_LEVEL"):
+        monkeypatch.delenv(name, raising=False)
+    assert dist_env.dist_timeout() == dist_env.DEFAULT_TIMEOUT_S == 60.0
+    assert not dist_env.dist_check_enabled() and dist_env.env_log_level() is None
+    monkeypatch.setenv("NUMGUARD_DIST_TIMEOUT", "1e10")
+    with pytest.raises(EnvironmentSettingError, match="86400 \\(one day"):
+        dist_env.dist_timeout()
+    assert dist_env.dist_timeout(2) == 2.0        # the argument wins, and is checked the same way
+    for bad in (1e10, 0, -1, math.nan, math.inf, True, "5", 10 ** 400):
+        with pytest.raises(env.OptionError, match=r"^timeout=.* is not valid: pass a number of seconds"):
+            dist_env.dist_timeout(bad)
+    assert dist_env.parse_log_level("warning") == logging.WARNING
+    assert dist_env.parse_log_level(15) == 15
+    for bad in (-5, 51, True, 1.5, "LOUD", "-5"):
+        with pytest.raises(env.OptionError, match=r"^log_level=.* is not valid: use DEBUG"):
+            dist_env.parse_log_level(bad)
