@@ -41,11 +41,10 @@ __all__ = ["BatchSet", "EnvironmentSettingError", "MAX_BATCH_NUMBER", "MAX_DIST_
 
 # Bounds, each with the reason the error message gives.
 MAX_FRAMES_LIMIT = 1_000_000
-_MAX_FRAMES_WHY = (f"at most {MAX_FRAMES_LIMIT}: the device ring preallocates 8 records of 64 bytes per "
-                   f"kept frame, so {MAX_FRAMES_LIMIT} frames already take 512 MB")
+_MAX_FRAMES_WHY = (f"the device ring preallocates 8 records of 64 bytes per kept frame: "
+                   f"{MAX_FRAMES_LIMIT} frames already take 512 MB")
 MAX_BATCH_NUMBER = 2 ** 53 - 1
-_MAX_BATCH_WHY = (f"at most {MAX_BATCH_NUMBER} (2**53-1, the largest whole number a JSON dump keeps "
-                  "exact for every reader)")
+_MAX_BATCH_WHY = "2**53-1, the largest whole number a JSON dump keeps exact for every reader"
 MAX_DIST_TIMEOUT_S = 86400.0
 MIN_DIST_TIMEOUT_S = 0.001
 _TIMEOUT_WHY = (f"from {MIN_DIST_TIMEOUT_S:g} (collectives wait in whole milliseconds) to "
@@ -142,8 +141,8 @@ def _batch_number(value):
         raise TypeError(f"batch numbers are ints, got {_short_repr(value)} ({type(value).__name__})")
     number = int(value)
     if not 0 <= number <= MAX_BATCH_NUMBER:
-        raise ValueError(f"batch number {number} is out of range: batch numbers are >= 0 and "
-                         f"{_MAX_BATCH_WHY}")
+        raise ValueError(f"batch number {number} is out of range: batch numbers run from 0 to "
+                         f"{MAX_BATCH_NUMBER} ({_MAX_BATCH_WHY})")
     return number
 
 
@@ -235,7 +234,8 @@ class BatchSet:
                                  "(digits 0-9 only)")
             low, high = match.group(1), match.group(2) or match.group(1)
             if len(low) > 16 or len(high) > 16 or int(high) > MAX_BATCH_NUMBER:
-                raise ValueError(f"{part!r} is out of range: {_MAX_BATCH_WHY}")
+                raise ValueError(f"{part!r} is out of range: batch numbers run up to "
+                                 f"{MAX_BATCH_NUMBER} ({_MAX_BATCH_WHY})")
             first, last = int(low), int(high)
             if last < first:
                 raise ValueError(f"{part!r} is an empty range (it ends before it starts); write "
@@ -332,7 +332,7 @@ def _switch(text):
 def _whole(minimum, maximum, why):
     """Parser of a whole number in [minimum, maximum]: ASCII digits only (no sign, no exponent,
     no '_', no other scripts' digits), so the number read is the number written."""
-    accepted = f"a whole number (digits 0-9) >= {minimum}, {why}"
+    accepted = f"a whole number (digits 0-9) from {minimum} to {maximum} ({why})"
 
     def parse(text):
         if not re.fullmatch(r"[0-9]+", text):
@@ -539,13 +539,12 @@ def markdown_table():
 # Python arguments
 
 
-def _integer(option, value, minimum, maximum, why, where="numguard.watch"):
-    accepted = f"pass an int from {minimum} to {maximum} ({why})" if why else \
-        f"pass an int >= {minimum}"
+def _integer(option, value, minimum, maximum, why, also=""):
+    accepted = f"pass an int from {minimum} to {maximum} ({why}){also}"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise OptionError(option, value, accepted + f", not a {type(value).__name__}", where)
+        raise OptionError(option, value, accepted + f", not a {type(value).__name__}")
     if not minimum <= int(value) <= maximum:
-        raise OptionError(option, value, accepted, where)
+        raise OptionError(option, value, accepted)
     return int(value)
 
 
@@ -561,7 +560,7 @@ def _abort_after(value):
     if value is None:
         return None
     return _integer("abort_after_batch_num", value, 0, MAX_BATCH_NUMBER,
-                    _MAX_BATCH_WHY + "; or None to never abort")
+                    _MAX_BATCH_WHY, also=", or None to never abort")
 
 
 def _trace_batches(value):
