@@ -6,16 +6,13 @@ dump still renders exactly the golden report."""
 import copy
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 import numguard
 from numguard import cli, dump
 import test_report_golden as golden
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from test_cli import run_cli
 
 
 def _trip(scenario, monkeypatch):
@@ -177,10 +174,7 @@ def test_command_line_exit_status_and_no_traceback(base, tmp_path):
     data["frames"][0]["records"][0] = ["a"] * 8
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(data))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMGUARD")}
-    env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in [env.get("PYTHONPATH")] if p])
-    out = subprocess.run([sys.executable, "-m", "numguard", "report", str(path), "--plot",
-                          str(tmp_path / "x.png")], capture_output=True, text=True, env=env, timeout=240)
+    out = run_cli("report", str(path), "--plot", str(tmp_path / "x.png"))
     assert out.returncode == 2
     assert "Traceback" not in out.stderr and out.stdout == ""
     assert "frames[0].records[0]: expected 8 numbers or null" in out.stderr
