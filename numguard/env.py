@@ -440,10 +440,10 @@ VARIABLES = (
 _BY_NAME = {v.name: v for v in VARIABLES}
 
 
-def _raw(environ, variable):
+def _raw(environ, var):
     """The text to parse, or None when the variable is unset or blank."""
-    value = environ.get(variable.name)
-    if not variable.strip:  # the C++ reader takes only "" as unset
+    value = environ.get(var.name)
+    if not var.strip:  # the C++ reader takes only "" as unset
         return value or None
     if value is None or not value.strip():
         return None
@@ -460,14 +460,14 @@ def read(name, environ=None):
 
     Raises EnvironmentSettingError naming the variable, the value and the accepted values."""
     environ = os.environ if environ is None else environ
-    variable = _BY_NAME[name]
-    text = _raw(environ, variable)
+    var = _BY_NAME[name]
+    text = _raw(environ, var)
     if text is None:
-        return variable.default
+        return var.default
     try:
-        return variable.parse(text)
+        return var.parse(text)
     except _Invalid as exc:
-        raise EnvironmentSettingError(name, environ[name], exc.accepted or variable.accepted) from None
+        raise EnvironmentSettingError(name, environ[name], exc.accepted or var.accepted) from None
 
 
 def _is_set(environ, name):
