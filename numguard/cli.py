@@ -6,7 +6,9 @@
                                                       site-packages (pip install does this already)
     python -m numguard install-hook --remove          remove it again
 
-Exit status: 0 on success, 2 on a usage error or a file that cannot be read.
+Exit status: 0 on success, 2 on a usage error or a file that cannot be read (a dump that fails
+its schema checks says what is wrong where, e.g. ``frames[3].records[2]: expected 8 numbers or
+null, got 'abc'``), 1 when numguard itself fails.
 """
 import argparse
 import os
@@ -17,6 +19,7 @@ __all__ = ["main"]
 
 def _report(args):
     from . import dump
+    from . import report as _render
 
     path = args.file
     if not os.path.isfile(path):
@@ -24,10 +27,15 @@ def _report(args):
                      "(a JSON file written by on_trip=\"dump\" / NUMGUARD_ON_TRIP=dump)")
     try:
         data = dump.load(path)
-        text = dump.render_file(path)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is a usage error here
-        return _fail(f"report: cannot read {path!r} as a numguard dump "
-                     f"({type(exc).__name__}: {exc})")
+    except dump.DumpError as exc:
+        return _fail(f"report: cannot read {exc}")
+    except OSError as exc:
+        return _fail(f"report: cannot read {path!r} ({exc.strerror or exc})")
+    try:
+        text = _render.render(data)
+    except Exception as exc:  # noqa: BLE001 - a valid dump that does not render is numguard's bug
+        return _fail(f"report: {path!r} passed the dump checks but could not be rendered "
+                     f"({type(exc).__name__}: {exc}); please report this as a numguard bug", status=1)
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
     if args.plot:
         from .plot import PlotUnavailableError, plot_dump
@@ -74,9 +82,9 @@ def _install_hook(args):
     return 0
 
 
-def _fail(message):
+def _fail(message, status=2):
     sys.stderr.write(f"numguard {message}\n")
-    return 2
+    return status
 
 
 def _parser():

@@ -1,45 +1,94 @@
-"""numguard's settings from ``NUMGUARD_*`` environment variables.
+"""numguard's settings: every ``NUMGUARD_*`` variable, and the options of :func:`numguard.watch`.
 
 ``NUMGUARD=1`` switches detection on for a script that never imports numguard (the start-up hook
 in :mod:`numguard._startup` does that); the other variables set what :func:`numguard.watch` would
-take as arguments. Arguments passed to ``watch()`` win; the variables fill in what the arguments
-leave unset; the documented defaults fill in the rest.
+take as arguments, or how numguard's distributed checks, loggers and kernels behave. Arguments
+passed to ``watch()`` win; the variables fill in what the arguments leave unset; the defaults in
+:data:`WATCH_DEFAULTS` fill in the rest.
 
-| variable | watch() argument | accepted values |
-|---|---|---|
-| NUMGUARD | (switch) | 0 or unset: off; 1: on |
-| NUMGUARD_MAX_FRAMES | max_frames_to_save | whole number >= 1 (default 21) |
-| NUMGUARD_TRACE_BATCHES | trace_batch_nums | batch numbers and ranges, e.g. 1,3,10-12 |
-| NUMGUARD_ABORT_AFTER | abort_after_batch_num | whole number >= 0 |
-| NUMGUARD_BACKWARD | backward | 0 or 1 |
-| NUMGUARD_CHECK | check | sync (default) or async |
-| NUMGUARD_CHECK_EVERY | check_every | whole number >= 1 (default 1) |
-| NUMGUARD_ON_TRIP | on_trip | raise (default), warn or dump |
-| NUMGUARD_DUMP_DIR | dump_dir | a folder path |
-| NUMGUARD_LOG_LEVEL | (numguard's loggers) | DEBUG, INFO, WARNING, ERROR, CRITICAL or a number |
-| NUMGUARD_DIST_CHECK | (numguard.distributed) | 0 or 1 |
-| NUMGUARD_DIST_TIMEOUT | (numguard.distributed) | seconds, a number > 0 |
+:data:`VARIABLES` is the one table of the variables (name, parser, default, meaning, accepted
+values); README.md's table is :func:`markdown_table`, and a test keeps the two equal. An unset or
+blank variable takes its default. An invalid value raises :class:`EnvironmentSettingError`, which
+names the variable, the value and the accepted values (with the reason for any bound).
+
+For ``watch()``'s Python arguments, :func:`validate_watch_options` checks types strictly (a string
+is not a list of batch numbers, ``"no"`` is not a bool) and raises :class:`OptionError` naming the
+argument, the value and what is accepted. :class:`BatchSet` holds batch numbers as ranges, so
+``NUMGUARD_TRACE_BATCHES=1-10000000000`` costs as little as ``1``.
 
 This module imports neither torch nor the rest of numguard: the start-up hook reads it before the
 script has imported anything. Every function is pure (it reads the mapping it is given, or
-``os.environ``) and raises :class:`EnvironmentSettingError` naming the variable, its value and the
-accepted values when a value is invalid.
+``os.environ``).
 """
+import bisect
+import collections.abc
 import logging
+import numbers
+import operator
 import os
+import re
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any, Callable
 
-__all__ = ["EnvironmentSettingError", "UNSET", "WATCH_DEFAULTS", "dist_settings_from_env",
-           "enabled", "log_level_from_env", "parse_batch_list", "resolve_watch_options",
-           "settings_from_env"]
+__all__ = ["BatchSet", "EnvironmentSettingError", "MAX_BATCH_NUMBER", "MAX_DIST_TIMEOUT_S",
+           "MAX_FRAMES_LIMIT", "OptionError", "STDOUT", "UNSET", "VARIABLES", "WATCH_DEFAULTS",
+           "WATCH_VALIDATORS", "Variable", "backend_choice", "cpu_isa_choice", "dist_settings_from_env",
+           "dist_timeout_argument", "enabled", "log_level_argument", "log_level_from_env",
+           "markdown_table", "parse_batch_list", "read", "resolve_watch_options", "settings_from_env",
+           "validate", "validate_watch_options", "variable"]
+
+# Bounds, each with the reason the error message gives.
+MAX_FRAMES_LIMIT = 1_000_000
+_MAX_FRAMES_WHY = (f"the device ring preallocates 8 records of 64 bytes per kept frame: "
+                   f"{MAX_FRAMES_LIMIT} frames already take 512 MB")
+MAX_BATCH_NUMBER = 2 ** 53 - 1
+_MAX_BATCH_WHY = "2**53-1, the largest whole number a JSON dump keeps exact for every reader"
+MAX_DIST_TIMEOUT_S = 86400.0
+MIN_DIST_TIMEOUT_S = 0.001
+_TIMEOUT_WHY = (f"from {MIN_DIST_TIMEOUT_S:g} (collectives wait in whole milliseconds) to "
+                f"{MAX_DIST_TIMEOUT_S:g} (one day; a rank missing for longer is a hang)")
+MAX_LOG_LEVEL = logging.CRITICAL
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_LOG_LEVEL_ACCEPTED = (", ".join(_LOG_LEVELS) + f" (any case) or a whole number from 0 to {MAX_LOG_LEVEL} "
+                       "(logging's levels run from NOTSET=0 to CRITICAL=50)")
+# Listing batches one by one (a list, a generator) costs memory per batch; ranges do not.
+_MAX_LISTED_BATCHES = 1_000_000
 
 
 class EnvironmentSettingError(ValueError):
-    """A ``NUMGUARD_*`` variable holds a value numguard does not accept."""
+    """A ``NUMGUARD_*`` variable holds a value numguard does not accept.
+
+    Attributes: ``variable`` (the name), ``value`` (the text as set), ``accepted`` (what is).
+    """
 
     def __init__(self, name, value, accepted):
         self.variable, self.value, self.accepted = name, value, accepted
         super().__init__(f"{name}={value!r} is not valid: accepted values are {accepted}. "
                          f"Fix or unset {name}.")
+
+
+class OptionError(TypeError, ValueError):
+    """A Python argument (a ``watch()`` option, ``timeout=``, ``log_level=``) has a wrong type or
+    value. Both a TypeError and a ValueError, so either ``except`` catches it.
+
+    Attributes: ``option`` (the argument's name), ``value``, ``accepted`` (what is).
+    """
+
+    def __init__(self, option, value, accepted, where="numguard.watch"):
+        self.option, self.value, self.accepted = option, value, accepted
+        prefix = f"{where}: " if where else ""
+        super().__init__(f"{prefix}{option}={_short_repr(value)} is not valid: {accepted}.")
+
+
+def _short_repr(value, limit=80):
+    """repr() for an error message: a huge list or string must not flood the message."""
+    try:
+        text = repr(value)
+    except Exception:  # a broken __repr__ must not hide the real error
+        text = f"<{type(value).__name__} object>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class _Unset:
@@ -61,164 +110,581 @@ class _Unset:
 
 UNSET = _Unset()
 
-# The documented defaults of the watch() arguments that a variable can set.
-WATCH_DEFAULTS = {
-    "max_frames_to_save": 21,
-    "trace_batch_nums": (),
-    "abort_after_batch_num": None,
-    "backward": False,
-    "check": "sync",
-    "check_every": 1,
-    "on_trip": "raise",
-    "dump_dir": None,
-}
 
-_SWITCH = "0 or 1"
-_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+class _Stdout:
+    """Default ``report_to``: writes to whatever ``sys.stdout`` is when a report is printed (so
+    pytest's capture, or a script that swaps sys.stdout, sees it), not the one at watch() time."""
 
+    def write(self, text):
+        stream = sys.stdout
+        return stream.write(text) if stream is not None else len(text)
 
-def _get(environ, name):
-    """The stripped value of a variable, or None when it is unset or empty."""
-    value = environ.get(name)
-    if value is None:
-        return None
-    value = value.strip()
-    return value if value else None
+    def flush(self):
+        stream = sys.stdout
+        if stream is not None:
+            stream.flush()
+
+    def __repr__(self):
+        return "numguard.env.STDOUT"
 
 
-def _switch(environ, name):
-    value = _get(environ, name)
-    if value is None:
-        return None
-    if value not in ("0", "1"):
-        raise EnvironmentSettingError(name, value, _SWITCH)
-    return value == "1"
+STDOUT = _Stdout()
 
 
-def _whole(environ, name, minimum):
-    value = _get(environ, name)
-    if value is None:
-        return None
-    try:
-        number = int(value, 10)
-    except ValueError:
-        number = None
-    if number is None or number < minimum:
-        raise EnvironmentSettingError(name, value, f"a whole number >= {minimum}")
+# ------------------------------------------------------------------------------------------------
+# Batch numbers
+
+
+def _batch_number(value):
+    """A batch number from a Python value: an int (not a bool) from 0 to MAX_BATCH_NUMBER."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"batch numbers are ints, got {_short_repr(value)} ({type(value).__name__})")
+    number = int(value)
+    if not 0 <= number <= MAX_BATCH_NUMBER:
+        raise ValueError(f"batch number {number} is out of range: batch numbers run from 0 to "
+                         f"{MAX_BATCH_NUMBER} ({_MAX_BATCH_WHY})")
     return number
 
 
-def _choice(environ, name, choices):
-    value = _get(environ, name)
-    if value is None:
-        return None
-    if value.lower() not in choices:
-        raise EnvironmentSettingError(name, value, " or ".join(choices))
-    return value.lower()
+def _merge(intervals):
+    """Sorted, disjoint, non-adjacent inclusive intervals covering the given ones."""
+    merged = []
+    for lo, hi in sorted(intervals):
+        if merged and lo <= merged[-1][1] + 1:
+            if hi > merged[-1][1]:
+                merged[-1][1] = hi
+        else:
+            merged.append([lo, hi])
+    return tuple(m[0] for m in merged), tuple(m[1] for m in merged)
 
 
-def parse_batch_list(text, name="NUMGUARD_TRACE_BATCHES"):
-    """``"1,3,10-12"`` -> ``(1, 3, 10, 11, 12)``: sorted, without repeats. Empty text -> ``()``."""
-    accepted = "batch numbers (>= 0) and ranges separated by commas, e.g. 1,3,10-12"
-    batches = set()
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        low, sep, high = part.partition("-")
+_BATCH_PART = re.compile(r"([0-9]+)(?:\s*-\s*([0-9]+))?")
+BATCH_TEXT_ACCEPTED = "batch numbers (>= 0) and ranges separated by commas, e.g. 1,3,10-12"
+
+
+class BatchSet:
+    """An immutable set of batch numbers, held as sorted ranges.
+
+    ``n in batches`` is a binary search over the ranges and the size of a range costs nothing, so
+    ``BatchSet.parse("0-10000000000")`` is as cheap as ``BatchSet([0])``. Iterating yields the
+    numbers in increasing order; a set of more than 1,000,000 numbers refuses to be listed (test
+    membership with ``in`` or walk :meth:`ranges`).
+
+    Build one from batch numbers (a list, a ``range``, another BatchSet; ``None`` is empty) or
+    from text with :meth:`parse`. A string is refused by the constructor: ``BatchSet("12")`` would
+    otherwise be read as the characters ``"1"`` and ``"2"``.
+    """
+
+    __slots__ = ("_lo", "_hi")
+
+    def __init__(self, batches=None):
+        if batches is None:
+            self._lo, self._hi = (), ()
+        elif isinstance(batches, BatchSet):
+            self._lo, self._hi = batches._lo, batches._hi
+        elif isinstance(batches, (str, bytes, bytearray)):
+            raise TypeError(f"BatchSet takes batch numbers, not text {_short_repr(batches)}: use "
+                            "BatchSet.parse('1,3,10-12') for text")
+        elif isinstance(batches, range):
+            self._lo, self._hi = _merge(self._range_intervals(batches))
+        else:
+            try:
+                items = iter(batches)
+            except TypeError:
+                raise TypeError(f"BatchSet takes an iterable of batch numbers, got "
+                                f"{_short_repr(batches)} ({type(batches).__name__})") from None
+            intervals = []
+            for count, item in enumerate(items):
+                if count == _MAX_LISTED_BATCHES:
+                    raise ValueError(f"more than {_MAX_LISTED_BATCHES} batch numbers listed one by "
+                                     "one: pass a range (range(a, b)) or BatchSet.parse('a-b'), "
+                                     "which cost nothing per batch")
+                number = _batch_number(item)
+                intervals.append((number, number))
+            self._lo, self._hi = _merge(intervals)
+
+    @staticmethod
+    def _range_intervals(r):
+        if len(r) == 0:
+            return []
+        first, last = _batch_number(min(r[0], r[-1])), _batch_number(max(r[0], r[-1]))
+        if abs(r.step) == 1:
+            return [(first, last)]
+        if len(r) > _MAX_LISTED_BATCHES:
+            raise ValueError(f"{r!r} holds {len(r)} batches with step {r.step}: at most "
+                             f"{_MAX_LISTED_BATCHES} from a range with a step other than 1")
+        return [(n, n) for n in r]
+
+    @classmethod
+    def parse(cls, text):
+        """``"1,3,10-12"`` -> the set {1, 3, 10, 11, 12}. Blank text is the empty set; empty parts
+        (``"1,,2"``, a trailing comma) are skipped. Only ASCII digits count as digits.
+
+        Raises ValueError naming the bad part and what is accepted."""
+        if not isinstance(text, str):
+            raise TypeError(f"BatchSet.parse takes text, got {_short_repr(text)}")
+        intervals = []
+        for part in text.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            match = _BATCH_PART.fullmatch(part)
+            if match is None:
+                raise ValueError(f"{part!r} is not a batch number or a range such as 10-12 "
+                                 "(digits 0-9 only)")
+            low, high = match.group(1), match.group(2) or match.group(1)
+            if len(low) > 16 or len(high) > 16 or int(high) > MAX_BATCH_NUMBER:
+                raise ValueError(f"{part!r} is out of range: batch numbers run up to "
+                                 f"{MAX_BATCH_NUMBER} ({_MAX_BATCH_WHY})")
+            first, last = int(low), int(high)
+            if last < first:
+                raise ValueError(f"{part!r} is an empty range (it ends before it starts); write "
+                                 f"{last}-{first}")
+            intervals.append((first, last))
+        self = cls.__new__(cls)
+        self._lo, self._hi = _merge(intervals)
+        return self
+
+    def __contains__(self, number):
         try:
-            first = int(low.strip(), 10)
-            last = int(high.strip(), 10) if sep else first
-        except ValueError:
-            raise EnvironmentSettingError(name, text, accepted) from None
-        if first < 0 or last < first:
-            raise EnvironmentSettingError(name, text, accepted)
-        batches.update(range(first, last + 1))
-    return tuple(sorted(batches))
+            number = operator.index(number)
+        except TypeError:
+            return False
+        i = bisect.bisect_right(self._lo, number) - 1
+        return i >= 0 and number <= self._hi[i]
+
+    def __iter__(self):
+        # Listing 10**10 numbers would hang the caller: refuse up front and point at `in`/ranges().
+        if len(self) > _MAX_LISTED_BATCHES:
+            raise ValueError(f"{self!r} holds {len(self)} batches: more than {_MAX_LISTED_BATCHES} "
+                             "batch numbers to list one by one; test `n in batches` or use "
+                             ".ranges() instead")
+        return (n for lo, hi in zip(self._lo, self._hi) for n in range(lo, hi + 1))
+
+    def __len__(self):
+        return sum(hi - lo + 1 for lo, hi in zip(self._lo, self._hi))
+
+    def __bool__(self):
+        return bool(self._lo)
+
+    def __eq__(self, other):
+        if not isinstance(other, BatchSet):
+            return NotImplemented
+        return (self._lo, self._hi) == (other._lo, other._hi)
+
+    def __hash__(self):
+        return hash((self._lo, self._hi))
+
+    def ranges(self):
+        """The set as sorted, disjoint ``range`` objects (step 1)."""
+        return tuple(range(lo, hi + 1) for lo, hi in zip(self._lo, self._hi))
+
+    def __str__(self):
+        return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in zip(self._lo, self._hi))
+
+    def __repr__(self):
+        return f"BatchSet.parse({str(self)!r})"
+
+
+# ------------------------------------------------------------------------------------------------
+# The variables
+
+
+class _Invalid(Exception):
+    """A parser's rejection; the caller turns it into EnvironmentSettingError."""
+
+    def __init__(self, accepted=None):
+        super().__init__(accepted)
+        self.accepted = accepted
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One ``NUMGUARD_*`` variable.
+
+    Attributes:
+        name: the variable.
+        meaning: what it does, as README.md's table says it (markdown).
+        accepted: the accepted values, as an error message gives them (with each bound's reason).
+        parse: text -> value; raises _Invalid. Gets the text stripped of surrounding blanks,
+            unless ``strip`` is False.
+        default: the value when the variable is unset or blank.
+        option: the watch() argument it sets, or None.
+        strip: False when a program other than Python reads the raw value (the C++ kernels), so
+            that Python accepts exactly what that program accepts.
+    """
+
+    name: str
+    meaning: str
+    accepted: str
+    parse: Callable[[str], Any]
+    default: Any = None
+    option: str = None
+    strip: bool = True
+
+
+def _switch(text):
+    if text not in ("0", "1"):
+        raise _Invalid()
+    return text == "1"
+
+
+def _whole(minimum, maximum, why):
+    """Parser of a whole number in [minimum, maximum]: ASCII digits only (no sign, no exponent,
+    no '_', no other scripts' digits), so the number read is the number written."""
+    accepted = f"a whole number (digits 0-9) from {minimum} to {maximum} ({why})"
+
+    def parse(text):
+        if not re.fullmatch(r"[0-9]+", text):
+            raise _Invalid(accepted)
+        # Compare lengths first: int() of a 5000-digit string is refused by Python itself.
+        if len(text.lstrip("0")) > len(str(maximum)) or not minimum <= int(text) <= maximum:
+            raise _Invalid(accepted)
+        return int(text)
+
+    parse.accepted = accepted
+    return parse
+
+
+def _choice(*choices):
+    def parse(text):
+        if text.lower() not in choices:
+            raise _Invalid()
+        return text.lower()
+
+    return parse
+
+
+def _exact(*choices):
+    def parse(text):
+        if text not in choices:
+            raise _Invalid()
+        return text
+
+    return parse
+
+
+def _batches(text):
+    try:
+        return BatchSet.parse(text)
+    except ValueError as exc:
+        raise _Invalid(f"{BATCH_TEXT_ACCEPTED}; {exc}") from None
+
+
+_DECIMAL = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
+def _seconds(text):
+    # ASCII decimal only: float() would also take 'nan', 'inf', '1_0' and other scripts' digits.
+    if not _DECIMAL.fullmatch(text):
+        raise _Invalid()
+    seconds = float(text)
+    if not MIN_DIST_TIMEOUT_S <= seconds <= MAX_DIST_TIMEOUT_S:
+        raise _Invalid()
+    return seconds
+
+
+def _log_level(text):
+    if text.upper() in _LOG_LEVELS:
+        return getattr(logging, text.upper())
+    if re.fullmatch(r"[0-9]{1,3}", text) and int(text) <= MAX_LOG_LEVEL:
+        return int(text)
+    raise _Invalid()
+
+
+def _path(text):
+    return text
+
+
+_SWITCH = "0 or 1"
+_FRAMES = _whole(1, MAX_FRAMES_LIMIT, _MAX_FRAMES_WHY)
+_BATCH_MIN0 = _whole(0, MAX_BATCH_NUMBER, _MAX_BATCH_WHY)
+_BATCH_MIN1 = _whole(1, MAX_BATCH_NUMBER, _MAX_BATCH_WHY)
+CPU_ISA_CHOICES = ("avx512", "avx2", "baseline")   # csrc/cpu/dispatch.cpp's names
+BACKEND_CHOICES = ("auto", "native", "torch")
+
+VARIABLES = (
+    Variable("NUMGUARD", "`0`/unset: off, nothing imported; `1`: on", _SWITCH, _switch, False),
+    Variable("NUMGUARD_MAX_FRAMES", f"frames kept in the ring (default 21, at most {MAX_FRAMES_LIMIT})",
+             _FRAMES.accepted, _FRAMES, 21, "max_frames_to_save"),
+    Variable("NUMGUARD_TRACE_BATCHES", "batches to trace, e.g. `1,3,10-12`", BATCH_TEXT_ACCEPTED,
+             _batches, BatchSet(), "trace_batch_nums"),
+    Variable("NUMGUARD_ABORT_AFTER", "stop after this batch", _BATCH_MIN0.accepted, _BATCH_MIN0, None,
+             "abort_after_batch_num"),
+    Variable("NUMGUARD_BACKWARD", "`0`/`1`: also watch gradients", _SWITCH, _switch, False, "backward"),
+    Variable("NUMGUARD_CHECK", "`sync` (default) or `async`", "sync or async (any case)",
+             _choice("sync", "async"), "sync", "check"),
+    Variable("NUMGUARD_CHECK_EVERY", "check every N-th batch (default 1)", _BATCH_MIN1.accepted,
+             _BATCH_MIN1, 1, "check_every"),
+    Variable("NUMGUARD_ON_TRIP", "`raise` (default), `warn`, `dump`", "raise, warn or dump (any case)",
+             _choice("raise", "warn", "dump"), "raise", "on_trip"),
+    Variable("NUMGUARD_DUMP_DIR", "where `dump` writes its JSON files", "a folder path", _path, None,
+             "dump_dir"),
+    Variable("NUMGUARD_DIST_CHECK",
+             "`0`/`1`: check shapes and dtypes before every `torch.distributed` collective", _SWITCH,
+             _switch, False),
+    Variable("NUMGUARD_DIST_TIMEOUT",
+             "seconds before a check names the ranks that never arrived (default 60, at most 86400)",
+             f"a decimal number of seconds {_TIMEOUT_WHY}", _seconds, 60.0),
+    Variable("NUMGUARD_LOG_LEVEL", "level of numguard's loggers (`DEBUG` to `CRITICAL`, or 0 to 50)",
+             _LOG_LEVEL_ACCEPTED, _log_level, None),
+    Variable("NUMGUARD_BACKEND",
+             "`auto` (default), `native` (fail if the kernels cannot load) or `torch` (fallback)",
+             "auto, native or torch (any case)", _choice(*BACKEND_CHOICES), "auto"),
+    Variable("NUMGUARD_CPU_ISA",
+             "highest instruction set the CPU kernels use: `avx512`, `avx2` or `baseline` "
+             "(default: the best the CPU has)",
+             "avx512, avx2 or baseline, exactly (lower case, no blanks: the C++ kernels compare the "
+             "raw text)", _exact(*CPU_ISA_CHOICES), None, strip=False),
+)
+_BY_NAME = {v.name: v for v in VARIABLES}
+
+
+def _raw(environ, var):
+    """The text to parse, or None when the variable is unset or blank."""
+    value = environ.get(var.name)
+    if not var.strip:  # the C++ reader takes only "" as unset
+        return value or None
+    if value is None or not value.strip():
+        return None
+    return value.strip()
+
+
+def variable(name):
+    """The :class:`Variable` called ``name`` (KeyError for a name numguard does not read)."""
+    return _BY_NAME[name]
+
+
+def read(name, environ=None):
+    """The value of variable ``name`` (its default when unset or blank).
+
+    Raises EnvironmentSettingError naming the variable, the value and the accepted values."""
+    environ = os.environ if environ is None else environ
+    var = _BY_NAME[name]
+    text = _raw(environ, var)
+    if text is None:
+        return var.default
+    try:
+        return var.parse(text)
+    except _Invalid as exc:
+        raise EnvironmentSettingError(name, environ[name], exc.accepted or var.accepted) from None
+
+
+def _is_set(environ, name):
+    return _raw(environ, _BY_NAME[name]) is not None
 
 
 def enabled(environ=None):
     """True when ``NUMGUARD`` is 1; False when it is unset, empty or 0."""
-    environ = os.environ if environ is None else environ
-    return bool(_switch(environ, "NUMGUARD"))
+    return read("NUMGUARD", environ)
 
 
 def settings_from_env(environ=None):
     """The watch() keyword arguments the ``NUMGUARD_*`` variables set (only those that are set).
 
     >>> settings_from_env({"NUMGUARD_MAX_FRAMES": "5", "NUMGUARD_TRACE_BATCHES": "1,3-4"})
-    {'max_frames_to_save': 5, 'trace_batch_nums': (1, 3, 4)}
+    {'max_frames_to_save': 5, 'trace_batch_nums': BatchSet.parse('1,3-4')}
     """
     environ = os.environ if environ is None else environ
-    settings = {}
-    value = _whole(environ, "NUMGUARD_MAX_FRAMES", 1)
-    if value is not None:
-        settings["max_frames_to_save"] = value
-    text = _get(environ, "NUMGUARD_TRACE_BATCHES")
-    if text is not None:
-        settings["trace_batch_nums"] = parse_batch_list(text)
-    value = _whole(environ, "NUMGUARD_ABORT_AFTER", 0)
-    if value is not None:
-        settings["abort_after_batch_num"] = value
-    value = _switch(environ, "NUMGUARD_BACKWARD")
-    if value is not None:
-        settings["backward"] = value
-    value = _choice(environ, "NUMGUARD_CHECK", ("sync", "async"))
-    if value is not None:
-        settings["check"] = value
-    value = _whole(environ, "NUMGUARD_CHECK_EVERY", 1)
-    if value is not None:
-        settings["check_every"] = value
-    value = _choice(environ, "NUMGUARD_ON_TRIP", ("raise", "warn", "dump"))
-    if value is not None:
-        settings["on_trip"] = value
-    value = _get(environ, "NUMGUARD_DUMP_DIR")
-    if value is not None:
-        settings["dump_dir"] = value
-    return settings
+    return {v.option: read(v.name, environ) for v in VARIABLES
+            if v.option is not None and _is_set(environ, v.name)}
 
 
 def log_level_from_env(environ=None):
     """The level ``NUMGUARD_LOG_LEVEL`` sets for numguard's loggers (a ``logging`` int), or None."""
-    environ = os.environ if environ is None else environ
-    value = _get(environ, "NUMGUARD_LOG_LEVEL")
-    if value is None:
-        return None
-    if value.upper() in _LOG_LEVELS:
-        return getattr(logging, value.upper())
-    try:
-        return int(value, 10)
-    except ValueError:
-        raise EnvironmentSettingError("NUMGUARD_LOG_LEVEL", value,
-                                      ", ".join(_LOG_LEVELS) + " or a number") from None
+    return read("NUMGUARD_LOG_LEVEL", environ)
 
 
 def dist_settings_from_env(environ=None):
-    """``{"dist_check": bool, "dist_timeout": float or None}`` from NUMGUARD_DIST_CHECK/TIMEOUT."""
+    """``{"dist_check": bool, "dist_timeout": seconds or None (unset)}`` from NUMGUARD_DIST_*."""
     environ = os.environ if environ is None else environ
-    timeout = _get(environ, "NUMGUARD_DIST_TIMEOUT")
-    if timeout is not None:
-        try:
-            seconds = float(timeout)
-        except ValueError:
-            seconds = None
-        if seconds is None or not seconds > 0 or seconds == float("inf"):
-            raise EnvironmentSettingError("NUMGUARD_DIST_TIMEOUT", timeout, "a number of seconds > 0")
-        timeout = seconds
-    return {"dist_check": bool(_switch(environ, "NUMGUARD_DIST_CHECK")), "dist_timeout": timeout}
+    timeout = read("NUMGUARD_DIST_TIMEOUT", environ) if _is_set(environ, "NUMGUARD_DIST_TIMEOUT") else None
+    return {"dist_check": read("NUMGUARD_DIST_CHECK", environ), "dist_timeout": timeout}
+
+
+def backend_choice(environ=None):
+    """``NUMGUARD_BACKEND``: "auto" (default), "native" or "torch"."""
+    return read("NUMGUARD_BACKEND", environ)
+
+
+def cpu_isa_choice(environ=None):
+    """``NUMGUARD_CPU_ISA``: "avx512", "avx2", "baseline", or None (unset: the best available)."""
+    return read("NUMGUARD_CPU_ISA", environ)
 
 
 def validate(environ=None):
-    """Parse every ``NUMGUARD*`` variable once, so that an invalid one fails before any work."""
+    """Parse every variable once, so that an invalid one fails before any work. Returns
+    ``{name: value}`` for every variable (defaults for the unset ones)."""
     environ = os.environ if environ is None else environ
-    enabled(environ)
-    settings_from_env(environ)
-    log_level_from_env(environ)
-    dist_settings_from_env(environ)
+    return {v.name: read(v.name, environ) for v in VARIABLES}
+
+
+def parse_batch_list(text, name="NUMGUARD_TRACE_BATCHES"):
+    """``"1,3,10-12"`` -> ``BatchSet`` {1, 3, 10, 11, 12}; an invalid text raises
+    EnvironmentSettingError naming ``name``."""
+    try:
+        return _batches(text)
+    except _Invalid as exc:
+        raise EnvironmentSettingError(name, text, exc.accepted) from None
+
+
+def markdown_table():
+    """README.md's table of the variables (the README holds exactly this text)."""
+    rows = ["| variable | meaning |", "|---|---|"]
+    rows += [f"| `{v.name}` | {v.meaning} |" for v in VARIABLES]
+    return "\n".join(rows) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# Python arguments
+
+
+def _integer(option, value, minimum, maximum, why, also=""):
+    accepted = f"pass an int from {minimum} to {maximum} ({why}){also}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise OptionError(option, value, accepted + f", not a {type(value).__name__}")
+    if not minimum <= int(value) <= maximum:
+        raise OptionError(option, value, accepted)
+    return int(value)
+
+
+def _max_frames(value):
+    return _integer("max_frames_to_save", value, 1, MAX_FRAMES_LIMIT, _MAX_FRAMES_WHY)
+
+
+def _check_every(value):
+    return _integer("check_every", value, 1, MAX_BATCH_NUMBER, _MAX_BATCH_WHY)
+
+
+def _abort_after(value):
+    if value is None:
+        return None
+    return _integer("abort_after_batch_num", value, 0, MAX_BATCH_NUMBER,
+                    _MAX_BATCH_WHY, also=", or None to never abort")
+
+
+def _trace_batches(value):
+    if isinstance(value, (str, bytes, bytearray)):
+        raise OptionError("trace_batch_nums", value,
+                          "pass batch numbers as ints, e.g. [1, 12] or range(10, 20) (a string would "
+                          "be read character by character); for text such as '1,3,10-12' use "
+                          "numguard.env.BatchSet.parse or NUMGUARD_TRACE_BATCHES")
+    if value is not None and (not isinstance(value, collections.abc.Collection)
+                              or isinstance(value, collections.abc.Mapping)):
+        # A generator or a file is iterable too, but nobody means batch numbers by one.
+        raise OptionError("trace_batch_nums", value, "pass a list, tuple, set or range of batch "
+                                                     "numbers, or None")
+    try:
+        return BatchSet(value)
+    except (TypeError, ValueError) as exc:
+        raise OptionError("trace_batch_nums", value, f"pass a list, tuple, set or range of ints "
+                                                     f"from 0 to {MAX_BATCH_NUMBER}, or None ({exc})") from None
+
+
+def _flag(option):
+    def check(value):
+        if isinstance(value, bool):
+            return value
+        if type(value) is int and value in (0, 1):
+            return bool(value)
+        raise OptionError(option, value, "pass True or False (or 1/0); a string such as 'no' or "
+                                         "'False' would count as true")
+    return check
+
+
+def _one_of(option, choices):
+    def check(value):
+        if not isinstance(value, str) or value not in choices:
+            raise OptionError(option, value, "use " + " or ".join(repr(c) for c in choices))
+        return value
+    return check
+
+
+def _as_float(value):
+    """float(value), or nan for an int too large for a float (so that range checks refuse it)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return float("nan")
+
+
+def _headroom(value):
+    accepted = "pass a number from 0 (off) up to, not including, 1: the fraction of the dtype's " \
+               "largest finite value that triggers a headroom warning"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise OptionError("headroom", value, accepted)
+    number = _as_float(value)
+    if not 0.0 <= number < 1.0:  # also refuses nan
+        raise OptionError("headroom", value, accepted)
+    return number
+
+
+def _dump_dir(value):
+    if value is None:
+        return None
+    accepted = "pass a folder path (str or os.PathLike), or None for the current folder"
+    if not isinstance(value, (str, os.PathLike)):
+        raise OptionError("dump_dir", value, accepted)
+    path = os.fspath(value)
+    if not isinstance(path, str) or not path.strip():  # bytes paths, blank paths
+        raise OptionError("dump_dir", value, accepted)
+    return value
+
+
+def _report_to(value):
+    if value is None or callable(getattr(value, "write", None)):
+        return value
+    if callable(value) and not isinstance(value, (str, bytes)):
+        return value
+    raise OptionError("report_to", value, "pass a file object (with .write, e.g. sys.stderr), a "
+                                          "callable taking the report text, or None for nowhere")
+
+
+# The one copy of watch()'s defaults (the inspector imports them). Read-only.
+WATCH_DEFAULTS = types.MappingProxyType({
+    "max_frames_to_save": 21,
+    "trace_batch_nums": BatchSet(),
+    "abort_after_batch_num": None,
+    "backward": False,
+    "check": "sync",
+    "check_every": 1,
+    "on_trip": "raise",
+    "dump_dir": None,
+    "headroom": 0.5,
+    "report_to": STDOUT,
+    "extras": True,
+    "scaler_skips": "count",
+})
+
+# option -> validator(value) -> normalized value; raises OptionError.
+WATCH_VALIDATORS = types.MappingProxyType({
+    "max_frames_to_save": _max_frames,
+    "trace_batch_nums": _trace_batches,
+    "abort_after_batch_num": _abort_after,
+    "backward": _flag("backward"),
+    "check": _one_of("check", ("sync", "async")),
+    "check_every": _check_every,
+    "on_trip": _one_of("on_trip", ("raise", "warn", "dump")),
+    "dump_dir": _dump_dir,
+    "headroom": _headroom,
+    "report_to": _report_to,
+    "extras": _flag("extras"),
+    "scaler_skips": _one_of("scaler_skips", ("count", "trip")),
+})
+assert WATCH_VALIDATORS.keys() == WATCH_DEFAULTS.keys()
+
+
+def validate_watch_options(options):
+    """Check watch() options strictly; returns a new dict with normalized values (ints as int,
+    trace_batch_nums as a BatchSet, headroom as float, 0/1 flags as bool). Keys numguard.env
+    does not know pass through unchanged. Raises OptionError naming the first bad option."""
+    return {key: WATCH_VALIDATORS[key](value) if key in WATCH_VALIDATORS else value
+            for key, value in options.items()}
 
 
 def resolve_watch_options(passed, environ=None, defaults=None):
-    """The watch() options to use: ``passed`` wins, then the variables, then the defaults.
+    """The watch() options to use: ``passed`` wins, then the variables, then the defaults; then
+    :func:`validate_watch_options`.
 
     Args:
         passed: the watch() keyword arguments as the caller gave them; a value of :data:`UNSET`
@@ -228,6 +694,7 @@ def resolve_watch_options(passed, environ=None, defaults=None):
         defaults: the defaults for what neither sets (:data:`WATCH_DEFAULTS` when None).
 
     Returns a new dict holding every key of ``passed`` and of the defaults, none of them UNSET.
+    An invalid variable raises EnvironmentSettingError even when the argument is passed.
     """
     defaults = WATCH_DEFAULTS if defaults is None else defaults
     from_env = settings_from_env(environ)
@@ -240,4 +707,29 @@ def resolve_watch_options(passed, environ=None, defaults=None):
             options[key] = value
         elif key not in options:
             raise TypeError(f"watch(): no value and no default for {key!r}")
-    return options
+    return validate_watch_options(options)
+
+
+def dist_timeout_argument(value, option="timeout"):
+    """A ``timeout=`` argument of numguard.distributed, in seconds (a float)."""
+    accepted = f"pass a number of seconds {_TIMEOUT_WHY}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise OptionError(option, value, accepted, where="")
+    seconds = _as_float(value)
+    if not MIN_DIST_TIMEOUT_S <= seconds <= MAX_DIST_TIMEOUT_S:  # also refuses nan
+        raise OptionError(option, value, accepted, where="")
+    return seconds
+
+
+def log_level_argument(value, option="log_level"):
+    """A ``log_level=`` argument: a level name (any case) or an int from 0 to 50."""
+    if isinstance(value, str):
+        try:
+            return _log_level(value.strip())
+        except _Invalid:
+            pass
+    elif isinstance(value, numbers.Integral) and not isinstance(value, bool) \
+            and 0 <= int(value) <= MAX_LOG_LEVEL:
+        return int(value)
+    raise OptionError(option, value, "use " + _LOG_LEVEL_ACCEPTED, where="")
+

@@ -73,7 +73,13 @@ def frame_series(dump):
 
 
 def plot_dump(dump, out_path, title=None):
-    """Draw a loaded dump (``numguard.dump.load``) to ``out_path`` (PNG). Returns ``out_path``."""
+    """Draw a loaded dump (``numguard.dump.load``) to ``out_path`` (PNG). Returns ``out_path``.
+
+    A dictionary that does not follow the dump schema raises numguard.dump.DumpError (a
+    ValueError) naming the bad place, before anything is drawn."""
+    from .dump import validate
+
+    validate(dump)
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure

@@ -5,8 +5,9 @@
   ``main_process_only=False``: every rank emits its own message, in whatever order they come.
 - ``in_order=True``: a collective (every rank of the group must make the same call). Each rank puts
   its formatted message (or nothing, when its own level filters it out) in a fixed-size record
-  (``MESSAGE_BYTES`` bytes, longer messages truncated with a marker) and the records are
-  all-gathered ONCE; rank 0 then emits every rank's message in rank order through its handlers.
+  (``MESSAGE_BYTES`` bytes; a longer message is cut at a character boundary and marked, see
+  :func:`fit_message`) and the records are all-gathered ONCE; rank 0 then emits every rank's
+  message in rank order through its handlers.
   The collective is entered regardless of the level, so ranks with different levels never
   deadlock, and there are no barriers. ``main_process_only`` is ignored with ``in_order=True``.
 - The level comes from ``log_level`` or ``NUMGUARD_LOG_LEVEL`` (names like ``INFO`` or numbers);
@@ -23,6 +24,21 @@ from ._env import env_log_level, parse_log_level
 MESSAGE_BYTES = 4096
 _WORDS = 2 + MESSAGE_BYTES // 8
 _MAGIC = 0x4E47_4C47  # "NGLG"
+
+
+def fit_message(text: str, limit: int = MESSAGE_BYTES) -> bytes:
+    """``text`` as UTF-8 in at most ``limit`` bytes. A longer text is cut at a character boundary
+    (a cut inside a multi-byte character would reach rank 0 as U+FFFD) and ends with a mark
+    saying how long it was: `` ... [truncated, N bytes]``."""
+    payload = text.encode("utf-8", "replace")
+    if len(payload) <= limit:
+        return payload
+    mark = f" ... [truncated, {len(payload)} bytes]".encode()[:limit]  # ASCII: any cut is valid
+    keep = limit - len(mark)
+    # UTF-8 continuation bytes are 0b10xxxxxx: step back to the first byte of the cut character.
+    while keep > 0 and payload[keep] & 0xC0 == 0x80:
+        keep -= 1
+    return payload[:keep] + mark
 
 
 class RankLoggerAdapter(_logging.LoggerAdapter):
@@ -51,10 +67,7 @@ class RankLoggerAdapter(_logging.LoggerAdapter):
             text, _ = self.process(msg, {})
             if args:
                 text = text % args
-            payload = text.encode("utf-8", "replace")
-            if len(payload) > MESSAGE_BYTES:
-                mark = f" ... [truncated, {len(payload)} bytes]".encode()
-                payload = payload[: MESSAGE_BYTES - len(mark)] + mark
+            payload = fit_message(text)
         hin_b = st.gather_buffers(_WORDS)[0]
         struct.pack_into("<qq", hin_b, 0, _MAGIC, (len(payload) << 1) | int(enabled))
         hin_b[16: 16 + len(payload)] = payload
