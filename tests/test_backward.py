@@ -138,7 +138,7 @@ def test_gradscaler_skip_is_counted_not_a_trip(caplog, device):
     with caplog.at_level("INFO", logger="numguard"):
         with numguard.watch(model, **quiet(backward=True)) as insp:
             weights = _scaler_loop(model, scaler, opt, 4, 1, float("inf"))
-            watcher = insp._backward_watch
+            watcher = insp.backward_watcher
             assert watcher.scaler_skipped_steps == 1
     skips = [r.getMessage() for r in caplog.records if "GradScaler skipped" in r.getMessage()]
     assert len(skips) == 1 and "batch_number=1" in skips[0]

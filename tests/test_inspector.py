@@ -69,7 +69,8 @@ def test_activations_are_not_kept_alive_and_buffers_stay_bounded(backend):
     for step in range(40):
         model(torch.randn(4, 8)).sum().backward()
         if step in (9, 39):
-            sizes.append((len(insp._frames), insp._ring.shape[0], len(insp._wtables)))
+            held = insp.held()
+            sizes.append((len(held.frames), held.ring_records, held.weight_tables))
     gc.collect()
     assert seen and all(ref() is None for ref in seen)
     assert sizes[0] == sizes[1]
@@ -98,7 +99,7 @@ def test_close_removes_every_hook_and_leaves_the_model_as_before(backend):
         model(ids)
     assert all_hooks(model) == before == 0
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
-    assert insp._handles == []
+    assert insp.held().hooks == 0
 
 
 # -- hostile models ----------------------------------------------------------------------------
@@ -119,7 +120,7 @@ def test_shared_module_reported_under_first_name_each_call(backend):
     insp = numguard.watch(model, **quiet(on_trip="warn"))
     x = torch.randn(2, 4)
     model(x)
-    names = [f[0].name for f in insp._frames]
+    names = [name for name, _, _ in insp.held().frames]
     assert names.count("lin") == 3 and "alias" not in names and "block.0" not in names
     with torch.no_grad():
         model.lin.weight[0, 0] = float("inf")
@@ -149,7 +150,7 @@ def test_recursive_root_ends_one_batch_per_outer_call(backend):
     for _ in range(3):
         model(torch.randn(2, 4))
     assert insp.batch_number == 2
-    assert insp._batches_done == 3
+    assert insp.batches_finished == 3
     insp.close()
 
 
@@ -195,7 +196,7 @@ def test_every_container_output_type(backend, kind):
     ints = torch.arange(6).view(2, 3)
     for _ in range(2):
         model(x, mask=torch.ones(2, 4, dtype=torch.bool), ints=ints)
-    assert insp._depth == 0 and insp._batches_done == 2
+    assert not insp.in_forward and insp.batches_finished == 2
     # A NaN inside the container is found, wherever it is.
     if kind not in ("none", "str"):
         with torch.no_grad():
@@ -266,10 +267,10 @@ def test_module_whose_forward_raises_then_next_batch_works(backend):
     insp = numguard.watch(model, **quiet())
     with pytest.raises(RuntimeError, match="user error"):
         model(torch.randn(2, 4))
-    assert insp._depth == 0
+    assert not insp.in_forward
     model.fail = False
     model(torch.randn(2, 4))
-    assert insp._batches_done == 1
+    assert insp.batches_finished == 1
     with torch.no_grad():
         model.lin.bias.fill_(float("inf"))
     with pytest.raises(numguard.NonFiniteError) as info:
@@ -296,7 +297,7 @@ def test_numguard_failure_in_a_hook_warns_once_and_stops_watching_that_module(ba
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(torch.randn(2, 8))
-    assert [o.name for o in insp._owners if o.off] == ["a"]
+    assert insp.unwatched_modules() == ["a"]
     insp.close()
 
 
@@ -306,18 +307,21 @@ def test_batch_end_failure_warns_but_a_distributed_failure_propagates(monkeypatc
     model = MLP()
     insp = numguard.watch(model, **quiet())
 
-    def broken_flag_source():
+    from numguard.inspector.checks import FlagReader
+
+    def broken_flag_source(reader):
         raise RuntimeError("flag read failed")
 
-    monkeypatch.setattr(insp, "_flag_source", broken_flag_source)
+    # Faults injected where the flag is read (the state words, before any cross-rank exchange).
+    monkeypatch.setattr(FlagReader, "_source", broken_flag_source)
     with pytest.warns(InspectorWarning, match="flag read failed"):
         model(torch.randn(2, 8))
 
-    def missing_rank():
+    def missing_rank(reader):
         raise DistributedTimeoutError("rank 1 never arrived", missing_ranks=[1])
 
     # A rank that never reached the batch-end check: carrying on would hang the next collective.
-    monkeypatch.setattr(insp, "_flag_source", missing_rank)
+    monkeypatch.setattr(FlagReader, "_source", missing_rank)
     with pytest.raises(DistributedTimeoutError, match="rank 1 never arrived"):
         model(torch.randn(2, 8))
     monkeypatch.undo()
@@ -338,7 +342,7 @@ def test_module_called_several_times_per_batch(backend):
     model = Loop()
     insp = numguard.watch(model, **quiet(max_frames_to_save=3, check_every=2))
     model(torch.randn(2, 4))
-    assert [f[0].name for f in insp._frames][-6:] == ["lin"] * 5 + [""]
+    assert [name for name, _, _ in insp.held().frames][-6:] == ["lin"] * 5 + [""]
     with torch.no_grad():
         model.lin.weight.mul_(1e30)
     with pytest.raises(numguard.NonFiniteError) as info:
@@ -578,19 +582,20 @@ def test_tracing_keeps_buffers_bounded(backend):
     for step in range(60):
         model(torch.randn(2, 8))
         if step in (9, 59):
-            sizes.append((len(insp._frames), insp._ring.shape[0], len(insp._wtables), len(insp._seen)))
+            held = insp.held()
+            sizes.append((len(held.frames), held.ring_records, held.weight_tables, held.remembered_tensors))
     insp.close()
     assert len(texts) == 30 and "*** Starting batch number=58 ***" in texts[-1]
     assert sizes[0] == sizes[1]
 
 
 def test_ring_cap_drops_old_frames_but_still_detects(backend, monkeypatch):
-    monkeypatch.setattr(numguard.inspector, "_MAX_RING", 256)
+    monkeypatch.setattr(numguard.inspector.ring, "MAX_RECORDS", 256)
     model = MLP()
     insp = numguard.watch(model, **quiet(check_every=1000, max_frames_to_save=3))
     for _ in range(300):
         model(torch.randn(2, 8))
-    assert insp._ring.shape[0] <= 256 and len(insp._frames) < 300 * 4
+    assert insp.held().ring_records <= 256 and len(insp.held().frames) < 300 * 4
     with torch.no_grad():
         model.b.weight[0, 0] = float("nan")
     model(torch.randn(2, 8))

@@ -1,0 +1,19 @@
+"""numguard's Inspector: module hooks that record stats into a device-side ring without host
+syncs, and report the frames that led to the first NaN/Inf in the format of Transformers'
+``DebugUnderflowOverflow``.
+
+Modules, in the order a watched tensor meets them:
+
+- ``options``: watch()'s checked options (the rules and defaults live in numguard.env);
+- ``frames``: owners, the Frame record, and how a call's arguments become report lines;
+- ``core``: the Inspector (hooks and the batch life cycle) and watch();
+- ``ring``: the device ring, recording, reuse of tensors already recorded, growth;
+- ``weights``: the per-batch weight table and the per-module weight flags;
+- ``checks``: reading the trip flag (sync / async) and sharing it across ranks;
+- ``trips``: reports, on_trip actions, headroom warnings, traces;
+- ``dropin``: Transformers' DebugUnderflowOverflow and detect_overflow.
+"""
+from .core import Inspector, watch
+from .dropin import DebugUnderflowOverflow, detect_overflow
+
+__all__ = ["Inspector", "watch", "DebugUnderflowOverflow", "detect_overflow"]

@@ -1,0 +1,408 @@
+"""The Inspector: module hooks wired to the ring, the weight table, the flag reader and the
+reporter, and the batch life cycle that ties them together.
+
+One watched tensor, top to bottom: a module's forward hook (``Inspector._hook``) flattens the call
+(``frames.flatten_call``) and hands the tensors to ``FrameRing.record``, one ``record_`` launch
+into the device ring, no host sync. The root's return ends the batch (``_end_batch``): the
+``FlagReader`` reads the state (one tiny device->host copy, or an async copy read next batch) and
+returns a ``CheckStatus``; healthy frames are trimmed to report context, a trip goes to the
+``Reporter``, which copies the ring once, builds the report and raises, warns or dumps.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+import weakref
+from typing import NamedTuple
+
+import torch
+
+from .. import env
+from ..errors import AbortAfterBatch, InspectorWarning, NonFiniteError
+from . import frames as _frames
+from .checks import FlagReader
+from .hooks import ModuleHooks, active
+from .options import STDOUT, WatchOptions
+from .ring import FrameRing
+from .trips import Reporter
+from .weights import WeightTable
+
+
+
+class Held(NamedTuple):
+    """Inspector.held(): frames held as report context (module name, section, batch), ring size
+    in records, weight tables, tensors remembered for reuse, hooks installed."""
+    frames: list
+    ring_records: int
+    weight_tables: int
+    remembered_tensors: int
+    hooks: int
+
+
+def _is_distributed_failure(exc: BaseException) -> bool:
+    errors = sys.modules.get("numguard.distributed.errors")  # loaded only when distributed is in use
+    return errors is not None and isinstance(exc, errors.DistributedOperationException)
+
+
+def _model_device(model):
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if tensor.device.type != "meta":
+            return tensor.device
+    return torch.device("cpu")
+
+
+class Inspector(ModuleHooks):
+    """Watches every module of `model` (forward hooks), keeping stats on the device until a
+    NaN/Inf trips. Use `watch(model, ...)` to create one; it is a context manager, and `close()`
+    removes every hook it added.
+
+    Args:
+        model: the root module. Its forward returning ends a batch (batches are 0-indexed).
+        max_frames_to_save: frames shown in a report (the last ones, ending with the first frame
+            that holds a non-finite value).
+        trace_batch_nums: batches whose every frame is printed, in Transformers' trace format.
+        abort_after_batch_num: raise `numguard.errors.AbortAfterBatch` (a ValueError) when this
+            batch has finished.
+        backward: also watch gradients (numguard.backward).
+        check: "sync" (read the trip flag at each checked batch end: one tiny device->host copy)
+            or "async" (copy it to pinned memory without waiting and read it at the next check:
+            healthy batches never wait; a trip is reported one check late).
+        check_every: check every N-th batch (records are kept for the batches in between).
+        on_trip: "raise" (numguard.NonFiniteError), "warn" (NonFiniteWarning, training goes on)
+            or "dump" (write a JSON report per rank into `dump_dir`, warn, go on).
+        dump_dir: where on_trip="dump" writes (default: the current directory).
+        headroom: warn once per module when a float16/bfloat16/float8 tensor's abs max passes
+            this fraction of the dtype's largest finite value (0 turns it off).
+        report_to: where reports and traces are printed: a file object, a callable taking the
+            text, or None for nowhere (default: sys.stdout at the time of printing).
+        extras: also show what Transformers does not (keyword inputs, contents of dict / list /
+            dataclass outputs, deeper nesting) on lines of their own.
+        scaler_skips: with backward=True, a step that torch.amp.GradScaler skips for inf/NaN
+            gradients is "count"ed (default; not a trip) or a "trip" (numguard.backward).
+    """
+
+    def __init__(self, model: torch.nn.Module, max_frames_to_save=21, trace_batch_nums=(),
+                 abort_after_batch_num=None, **options):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"numguard.watch: model must be a torch.nn.Module, got {type(model).__name__}")
+        self.options = WatchOptions.from_arguments(
+            max_frames_to_save=max_frames_to_save, trace_batch_nums=trace_batch_nums,
+            abort_after_batch_num=abort_after_batch_num, **options)
+        opts = self.options
+        self.max_frames_to_save = opts.max_frames_to_save
+        self.trace_batch_nums = opts.trace_batch_nums
+        self.abort_after_batch_num = opts.abort_after_batch_num
+        self._model_ref = weakref.ref(model)
+        self._handles = []
+        self._closed = False
+        self._warned = set()
+        self._owners = []
+        self._module_names = weakref.WeakKeyDictionary()
+        self._named = {}                  # (name, class) -> Owner for record_frame
+        self._batches_done = 0
+        self._depth = 0
+        self._batch_open = False
+        self._thread = None
+        self._backward_watch = None
+        self._ring = FrameRing(max(64, 8 * opts.max_frames_to_save), _model_device(model),
+                               on_drop=self._frames_dropped)
+        self._weights = WeightTable(self._owners, opts.headroom)
+        self._reader = FlagReader(self._ring, opts.check, self._warned)
+        self._reporter = Reporter(self._ring, self._weights, opts, self._warned, self._reader)
+        try:
+            self._install_hooks(model)
+            if opts.backward:
+                self._watch_gradients(model)
+        except BaseException:
+            self.close(check=False)  # a watch() that fails leaves no hook behind
+            raise
+
+    # -- public surface --------------------------------------------------------------------------
+    @property
+    def batch_number(self) -> int:
+        """The 0-indexed current batch: the batch whose forward is running, or whose forward last
+        finished (its backward and optimizer step see the same number)."""
+        return self._batch_index()
+
+    def _batch_index(self) -> int:
+        if self._depth > 0 or self._batches_done == 0:
+            return self._batches_done
+        return self._batches_done - 1
+
+    @property
+    def module_names(self):
+        """Mapping module -> qualified name (weak keys; the first name of a reused module)."""
+        return self._module_names
+
+    @property
+    def model(self):
+        return self._model_ref()
+
+    @property
+    def check_every(self) -> int:
+        return self.options.check_every
+
+    @property
+    def trips(self) -> int:
+        """Trips handled so far (on_trip="warn"/"dump" go on after one)."""
+        return self._reporter.trips
+
+    @property
+    def last_report(self):
+        """The last trip's report dictionary (numguard.dump's schema), or None."""
+        return self._reporter.last_report
+
+    @property
+    def report_to(self):
+        """Where reports and traces are printed (settable, checked like the watch() option)."""
+        return self.options.report_to
+
+    @report_to.setter
+    def report_to(self, target):
+        self.options.report_to = env.WATCH_VALIDATORS["report_to"](target)
+
+    @property
+    def batches_finished(self) -> int:
+        """Root forwards that have returned."""
+        return self._batches_done
+
+    @property
+    def in_forward(self) -> bool:
+        """Whether a watched forward is running now."""
+        return self._depth > 0
+
+    @property
+    def backward_watcher(self):
+        """The numguard.backward.BackwardWatcher of backward=True, or None."""
+        return self._backward_watch
+
+    def unwatched_modules(self) -> list:
+        """Names of the modules numguard stopped watching after an internal error (each warned)."""
+        return [o.name for o in self._owners if o.off]
+
+    def held(self) -> Held:
+        """What the inspector holds now (its memory stays bounded however long a job runs)."""
+        ring = self._ring
+        return Held([(f.owner.name, f.section, f.batch) for f in ring.frames], ring.size,
+                    len(self._weights.tables), len(ring.seen), len(self._handles))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close(check=exc_type is None)
+        return False
+
+    def close(self, check: bool = True) -> None:
+        """Remove every hook numguard added. With `check`, batches not checked yet are checked
+        first (with the configured on_trip action)."""
+        if self._closed:
+            return
+        try:
+            if check and (len(self._ring.frames) > self._ring.last_check_frames or self._reader.pending):
+                self.check_now("close")
+        finally:
+            self._closed = True
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            if self._backward_watch is not None:
+                try:
+                    self._backward_watch.close()
+                except Exception as exc:
+                    warnings.warn(f"numguard: closing the backward watch failed: {exc}", InspectorWarning)
+                self._backward_watch = None
+            if self in active:
+                active.remove(self)
+
+    def record_frame(self, module_name: str, class_name: str, labels, values, section: str = "forward") -> None:
+        """Record a frame of your own (no host sync). `values[i]` is shown on line `labels[i]`:
+        tensors get a stats line, None a 'None' line, anything else a 'not a tensor' line.
+        Frames whose section is not "forward" are reported in a section of their own
+        ("Last N <section> frames:")."""
+        if self._closed:
+            return
+        if len(labels) != len(values):
+            raise ValueError(f"numguard.record_frame: {len(labels)} labels but {len(values)} values; give "
+                             "one label per value")
+        key = (module_name, class_name)
+        owner = self._named.get(key)
+        if owner is None:
+            owner = self._named[key] = _frames.Owner(-1, module_name, class_name, headroom=self.options.headroom)
+        xs, kinds = _frames.flatten_values(values)
+        self._ring.record(owner, xs, list(labels), kinds, section, False, False, self._batch_index())
+
+    def check(self, where: str = "batch end") -> None:
+        """Look at the trip flag now (check="sync": one tiny device->host read; "async": read the
+        copy made at the previous check and start a new one) and handle a trip: print the report,
+        then raise / warn / dump as configured."""
+        if self._closed:
+            return
+        if self.options.check == "sync":
+            self._handle(self._reader.read_now(where, self._batch_index()))
+            return
+        status = self._reader.read_async(where, self._batch_index())
+        if status is not None:
+            self._handle(status)
+            if self._closed:
+                return
+        self._reader.issue_async_copy(self._batch_index())
+
+    # -- what numguard.backward uses (a small protocol; it never reaches into private state) -----
+    def ring_position(self) -> int:
+        """Where the next record goes: frames recorded from here on are 'after' this position."""
+        return self._ring.pos
+
+    def check_now(self, where: str) -> None:
+        """A synchronous check whatever `check` says (the state read now covers what a pending
+        async copy held)."""
+        if self._closed:
+            return
+        self._reader.forget_pending()
+        self._handle(self._reader.read_now(where, self._batch_index()))
+
+    def forget_trip_from(self, position: int, where: str) -> None:
+        """Records from `position` on are not a trip (e.g. the gradients of a step GradScaler
+        skipped). One read of the state: a trip recorded before `position` is still handled."""
+        if self._closed:
+            return
+        tripped, first = self._ring.state[:2].tolist()
+        if not tripped:
+            return
+        if first < position:
+            self.check_now(where)
+        else:
+            self._ring.reset_after_trip()
+
+    def _watch_gradients(self, model):
+        try:
+            from .. import backward as _backward
+        except ImportError as exc:
+            warnings.warn(f"numguard: backward=True needs numguard.backward, which cannot be imported in "
+                          f"this installation ({exc}); gradients are NOT watched, only the forward pass. "
+                          "Reinstall numguard.", InspectorWarning, stacklevel=4)
+            return
+        self._backward_watch = _backward.BackwardWatcher(self, model, scaler_skips=self.options.scaler_skips)
+        opts = self.options
+        if opts.check == "async" or opts.check_every > 1:
+            warnings.warn(
+                f"numguard: backward=True with check={opts.check!r}, check_every={opts.check_every}: a "
+                "NaN/Inf gradient of a step that is not checked synchronously reaches the optimizer, and "
+                "is reported at the next check (the weights may already hold it). Use check='sync', "
+                "check_every=1 to raise before any weight is written.", InspectorWarning, stacklevel=4)
+
+    def _warn_once(self, key, message):
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, InspectorWarning, stacklevel=4)
+
+    # -- the batch life cycle --------------------------------------------------------------------
+    def _begin_batch(self):
+        self._batch_open = True
+        try:
+            self._weights.record(self._batches_done, self._ring, self._move_to)
+        except Exception as exc:
+            self._warn_once(("weights",), f"numguard: could not record weight stats ({type(exc).__name__}: "
+                                          f"{exc}); weights are not watched from now on")
+            self._weights.disable()
+
+    def _move_to(self, device):
+        self._ring.move_to(device)
+        self._reader.device_moved()
+        self._weights.forget()
+
+    def _frames_dropped(self, cut):
+        self._reader.frames_dropped(cut)
+        frames = self._ring.frames
+        self._weights.drop_before(frames[0].batch if frames else self._batches_done)
+
+    def _end_batch(self):
+        batch = self._batches_done
+        self._batches_done += 1
+        self._batch_open = False
+        self._ring.seen.clear()
+        self._ring.pending_start = self._batches_done
+        traced = batch in self.trace_batch_nums
+        if traced:
+            self._guarded(self._reporter.print_trace, batch)
+        watcher = self._backward_watch
+        if self._batches_done % self.options.check_every == 0 and (
+                watcher is None or not watcher.takes_batch_end_check()):
+            self._guarded(self.check, "batch end")
+        if traced:
+            # Like Transformers, a later report does not reach back into a traced batch.
+            self._ring.floor = len(self._ring.frames)
+        if self.abort_after_batch_num is not None and batch >= self.abort_after_batch_num:
+            raise AbortAfterBatch(self._abort_message(batch))
+
+    def _end_direct_call(self, owner):
+        """A watched module called outside the root's forward has returned: check now, or its NaN
+        would wait for a root call that may never come."""
+        self._batch_open = False
+        self._ring.seen.clear()
+        self._guarded(self.check, f"{owner.name or '(root module)'} ({owner.cls}) returned outside the "
+                                  "root's forward")
+
+    def _after_raised_forward(self, exc):
+        """The root forward raised. A trip another inspector already raised (or an abort) is not
+        reported twice; otherwise a NaN recorded before the exception is reported now, as a
+        warning (this rank only: the other ranks are not at a check), while the exception goes on."""
+        self._batch_open = False
+        self._ring.seen.clear()
+        if isinstance(exc, (NonFiniteError, AbortAfterBatch)):
+            self._ring.reset_after_trip()
+            return
+        status = self._reader.read_local(f"the forward raised {type(exc).__name__}", self._batch_index())
+        if status.tripped:
+            self._reporter.handle_trip(status, self._ring.host_copy(), on_report=self._trip_reported,
+                                       on_trip="warn" if self.options.on_trip == "raise" else self.options.on_trip)
+
+    def _handle(self, status):
+        host_ring = None
+        if status.headroom_hit:
+            host_ring = self._ring.host_copy()
+            self._guarded(self._reporter.handle_headroom, host_ring, status.boundary)
+        if status.any_trip:
+            if host_ring is None and status.tripped:
+                host_ring = self._ring.host_copy()
+            self._reporter.handle_trip(status, host_ring, on_report=self._trip_reported)
+        else:
+            self._ring.keep_context(status.boundary, self.options.max_frames_to_save)
+
+    def _guarded(self, fn, *args):
+        try:
+            return fn(*args)
+        except (NonFiniteError, AbortAfterBatch):
+            raise
+        except Exception as exc:
+            if _is_distributed_failure(exc):
+                # Ranks disagree or one never arrived: going on would hang the next collective.
+                raise
+            name = fn.__name__.strip("_").replace("_", " ")
+            self._warn_once(("internal", fn.__name__),
+                            f"numguard: {name} failed ({type(exc).__name__}: {exc}); training goes on")
+            return None
+
+    # -- what a subclass may change --------------------------------------------------------------
+    def _trip_reported(self, report, frames_after):
+        """A trip's report is built; `frames_after` module frames were recorded after the offender
+        (numguard checks at the batch end, not inside the offending module's hook)."""
+
+    def _abort_message(self, batch):
+        done = self._batches_done
+        return (f"numguard: aborting after batch_number={batch} ({done} batch{'es' if done != 1 else ''} run) "
+                f"as requested by abort_after_batch_num={self.abort_after_batch_num}")
+
+
+def watch(model: torch.nn.Module, max_frames_to_save=env.UNSET, trace_batch_nums=env.UNSET,
+          abort_after_batch_num=env.UNSET, **options) -> Inspector:
+    """Watch every module of `model`; returns an Inspector (a context manager). See Inspector
+    for the options (backward, check, check_every, on_trip, dump_dir, headroom, report_to,
+    extras, scaler_skips). Arguments left out take their NUMGUARD_* variable (numguard.env),
+    then numguard.env.WATCH_DEFAULTS."""
+    passed = dict(options, max_frames_to_save=max_frames_to_save, trace_batch_nums=trace_batch_nums,
+                  abort_after_batch_num=abort_after_batch_num)
+    return Inspector(model, **env.resolve_watch_options(passed))
+
+
+__all__ = ["Inspector", "watch", "STDOUT"]

@@ -1,0 +1,143 @@
+"""The module hooks of an Inspector (no host sync in here): the root's and top modules' hooks that
+track the forward's depth and end batches, and the per-module hook that records a frame.
+
+A module called outside the root's forward becomes a "top" module: its own return ends a check,
+so its NaN is never left waiting for a root call that may not come.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+import weakref
+
+import torch
+
+from . import frames as _frames
+
+active: list = []  # inspectors inside a watched forward (for detect_overflow)
+_Tensor = torch.Tensor
+_is_compiling = torch.compiler.is_compiling
+_ONE_IN_ONE_OUT_LABELS = _frames.ONE_IN_ONE_OUT_LABELS
+_ONE_IN_ONE_OUT_KINDS = _frames.ONE_IN_ONE_OUT_KINDS
+
+
+class ModuleHooks:
+    """Hook installation and the hooks themselves, for the Inspector. They use its `_ring`,
+    `options`, `_owners`, `_module_names`, `_handles`, `_depth`, `_batch_open`, `_batches_done`
+    and `_thread`, and call its batch life cycle: `_begin_batch`, `_end_batch`,
+    `_end_direct_call`, `_after_raised_forward`, `_guarded` and `_warn_once`."""
+
+    def _install_hooks(self, model):
+        headroom = self.options.headroom
+        root_seen = False
+        for name, module in model.named_modules():
+            owner = _frames.Owner(len(self._owners), name, module.__class__.__name__, weakref.ref(module),
+                                  headroom=headroom)
+            self._owners.append(owner)
+            self._module_names[module] = name
+            if module is model and not root_seen:
+                owner.is_root = owner.is_top = True
+                root_seen = True
+                self._root_owner = owner
+                # NOTE: [compile] The root's hooks run outside any torch.compile graph (the batch-end
+                # read must not break a graph in the middle); inner hooks do nothing while compiling.
+                self._handles.append(module.register_forward_pre_hook(
+                    torch.compiler.disable(functools.partial(self._top_pre_hook, owner))))
+                self._handles.append(module.register_forward_hook(
+                    torch.compiler.disable(functools.partial(self._root_hook, owner)), with_kwargs=True))
+                self._add_after_hook(owner, module)
+            else:
+                self._handles.append(module.register_forward_hook(
+                    functools.partial(self._hook, owner), with_kwargs=True))
+
+    def _add_after_hook(self, owner, module):
+        # NOTE: [forward raised] Runs after the returned-hook on a normal return, alone when the
+        # forward raised. Whether an exception is being handled says nothing: a healthy model may
+        # be called inside a user's `except` block.
+        self._handles.append(module.register_forward_hook(
+            torch.compiler.disable(functools.partial(self._top_after_hook, owner)), always_call=True))
+
+    def _make_top(self, owner, module):
+        """A module called outside the root's forward becomes a top module of its own: from its
+        next call on, its return ends a check like the root's (without counting a batch)."""
+        owner.is_top = True
+        self._handles.append(module.register_forward_pre_hook(
+            torch.compiler.disable(functools.partial(self._top_pre_hook, owner))))
+        self._handles.append(module.register_forward_hook(
+            torch.compiler.disable(functools.partial(self._top_returned_hook, owner))))
+        self._add_after_hook(owner, module)
+
+    def _top_pre_hook(self, owner, module, args):
+        if self._depth == 0:
+            self._thread = threading.get_ident()
+            if not self._batch_open:
+                self._begin_batch()
+            if self not in active:
+                active.append(self)
+        elif self._thread != threading.get_ident():
+            self._warn_once("threads", "numguard: the watched model is being called from several threads at "
+                            "once; one Inspector counts batches for one thread, so batch numbers and the "
+                            "module blamed for a trip may be wrong. Watch a separate model object per thread.")
+        self._depth += 1
+
+    def _leave_top(self):
+        self._depth = max(0, self._depth - 1)
+        if self._depth == 0 and self in active:
+            active.remove(self)
+        return self._depth == 0
+
+    def _root_hook(self, owner, module, args, kwargs, output):
+        owner.returned = True
+        self._hook(owner, module, args, kwargs, output)
+        if self._leave_top():
+            self._end_batch()
+        return None
+
+    def _top_returned_hook(self, owner, module, args, output):
+        owner.returned = True
+        if self._leave_top():
+            self._end_direct_call(owner)
+        return None
+
+    def _top_after_hook(self, owner, module, args, output):
+        if owner.returned:
+            owner.returned = False
+            return None
+        # The forward raised (NOTE: [forward raised]): the batch did not finish.
+        if self._leave_top():
+            self._guarded(self._after_raised_forward, sys.exc_info()[1])
+        return None
+
+    def _hook(self, owner, module, args, kwargs, output):
+        if owner.off or self._closed or _is_compiling():
+            return None
+        try:
+            if not self._batch_open:
+                # A module frame outside the root's forward (a submodule called directly) opens the
+                # batch: its weights are those of now.
+                self._begin_batch()
+            if not kwargs and len(args) == 1 and type(output) is _Tensor and type(args[0]) is _Tensor:
+                # Fast path: one positional tensor in, one tensor out (Linear, LayerNorm, Dropout, ...).
+                self._ring.record(owner, [args[0], output], _ONE_IN_ONE_OUT_LABELS, _ONE_IN_ONE_OUT_KINDS,
+                                  "forward", True, True, self._batches_done)
+            else:
+                xs, labels, kinds = _frames.flatten_call(args, kwargs, output)
+                self._ring.record(owner, xs, labels, kinds, "forward", True, True, self._batches_done)
+        except Exception as exc:  # numguard's own failure must not kill the job
+            self._disable(owner, exc)
+        if self._depth == 0 and not owner.is_top:
+            # Called outside the root's forward (e.g. model.encoder(x) directly).
+            try:
+                self._make_top(owner, module)
+            except Exception as exc:
+                self._disable(owner, exc)
+            self._end_direct_call(owner)
+        return None
+
+    def _disable(self, owner, exc):
+        owner.off = True
+        name = owner.name or "(root module)"
+        self._warn_once(("module", owner.index, owner.name),
+                        f"numguard: stopped watching module {name!r} ({owner.cls}) after an internal error: "
+                        f"{type(exc).__name__}: {exc}. Training goes on; the other modules are still watched.")

@@ -1,0 +1,263 @@
+"""The device ring and its recording state: where each frame's records go, the frames still
+held for a report, the reuse of tensors already recorded this batch, growth and wrap-around.
+
+Nothing here reads a device value: recording is one ``numguard.ops.record_`` launch per frame.
+"""
+from __future__ import annotations
+
+import bisect
+import weakref
+
+import torch
+
+from .. import ops
+from .frames import Frame
+
+MAX_RECORDS = 1 << 18   # records (16 MiB of float64[8]); older frames drop out beyond this
+_SEEN_LIMIT = 512       # tensors remembered for reuse within a batch
+_RECORDABLE = frozenset([torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+                         torch.float8_e5m2, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                         torch.bool])
+_STRIDED = torch.strided
+
+# The state buffer: the op's recording state (tripped, first trip position, headroom hit, first
+# headroom position), then the weight table's headroom flag; read in one device->host copy.
+STATE_WORDS = 8
+WEIGHT_HEADROOM = 4
+
+
+def outside_inference_mode(method):
+    """numguard's own buffers are made and updated as normal tensors even when the model runs
+    under torch.inference_mode(): an inference tensor could not be updated in place after it."""
+    return torch.inference_mode(False)(method)
+
+
+def device_index(device):
+    """What Tensor.get_device() returns for tensors on `device` (-1 on the CPU)."""
+    if device.type == "cpu":
+        return -1
+    return device.index if device.index is not None else 0
+
+
+class FrameRing:
+    """The ring of stats records on the device and the frames (host metadata) that refer to it.
+
+    Positions grow without bound; a record lives at ``position % size``. Frames before `floor`
+    are not report context (a traced batch's frames); `last_check_frames` frames were confirmed
+    healthy by the last check. `on_drop(cut)` is told when the oldest frames are forgotten."""
+
+    def __init__(self, size, device, on_drop=None):
+        self.on_drop = on_drop
+        self.frames = []
+        self.frame_starts = []      # start position per frame (for bisect)
+        self.pos = 0
+        self.window_lo = 0          # oldest ring position a held frame refers to
+        self.seen = {}              # id(tensor) -> (weakref, version, position), this batch
+        self.floor = 0
+        self.last_check_frames = 0
+        self.pending_start = 0      # Transformers' "Starting batch number" lines go before the next frame
+        self.hf_calls = 0           # module frames recorded (Transformers' total_calls)
+        self._allocate(size, device)
+
+    @outside_inference_mode
+    def _allocate(self, size, device):
+        self.device = device
+        self.device_index = device_index(device)
+        self.ring, _ = ops.new_ring(size, device)
+        self.size = size
+        self.state_buf = torch.tensor([0, -1, 0, -1, 0, 0, 0, 0], dtype=torch.int64, device=device)
+        self.state = self.state_buf[0:4]
+
+    def move_to(self, device):
+        """Start over on another device (the model moved after watch())."""
+        self._allocate(self.size, device)
+        self.drop_frames(len(self.frames))
+
+    def record(self, owner, xs, labels, kinds, section, hf, weights, batch):
+        """Record a frame's tensors with one launch (tensors unchanged since an earlier frame of
+        the batch are not recorded again) and append its Frame. No host sync."""
+        pos = self.pos
+        seen = self.seen
+        dev_index = self.device_index
+        dtypes = []
+        shapes = []
+        positions = []
+        new = []
+        lo = pos
+        clean = True
+        for x in xs:
+            dtype = x.dtype
+            dtypes.append(dtype)
+            try:
+                shapes.append(x.shape)
+            except RuntimeError:  # nested tensors have no single shape
+                shapes.append(())
+            hit = seen.get(id(x))
+            # Only tensors with a version counter are ever in `seen` (inference tensors are not).
+            if hit is not None and hit[0]() is x and hit[1] == x._version:
+                p = hit[2]
+                positions.append(p)
+                if p < lo:
+                    lo = p
+            else:
+                positions.append(pos + len(new))
+                new.append(x)
+                if clean and (dtype not in _RECORDABLE or x.get_device() != dev_index
+                              or x.layout is not _STRIDED):
+                    clean = False
+        fresh = new
+        if not clean:
+            new = self.sanitize(new)
+        if weights and owner.flag is not None and owner.flag_batch != batch:
+            # The module's weight flag (NaN when one of its weights is non-finite), first call of the batch.
+            owner.flag_batch = batch
+            positions.append(pos + len(new))
+            new.append(owner.flag)
+        n = len(new)
+        if n:
+            window = lo if not self.frames or lo < self.window_lo else self.window_lo
+            if pos + n - window > self.size:
+                self._grow(pos + n - window)
+            try:
+                ops.record_(self.ring, self.state, new, pos, owner.headroom)
+            except Exception:
+                if not clean or not any(x.is_meta or x.is_nested for x in fresh):
+                    raise
+                # The quick screen above passes what only the op can reject (meta, nested
+                # tensors): record their values through sanitize instead of losing the frame.
+                new[:len(fresh)] = self.sanitize(fresh)
+                ops.record_(self.ring, self.state, new, pos, owner.headroom)
+            self.pos = pos + n
+            if len(seen) > _SEEN_LIMIT:
+                seen.clear()
+            try:
+                for i, x in enumerate(fresh):
+                    seen[id(x)] = (weakref.ref(x), x._version, pos + i)
+            except (RuntimeError, TypeError):  # inference tensors: no version counter, no reuse
+                pass
+        bstart = None
+        if hf:
+            self.hf_calls += 1
+            bstart = self.pending_start
+            self.pending_start = None
+        if not self.frames or lo < self.window_lo:
+            self.window_lo = lo
+        self.frames.append(Frame(owner, batch, pos, labels, kinds, dtypes, shapes, section, bstart,
+                                 n, weights and bool(owner.widx), hf, positions, lo))
+        self.frame_starts.append(pos)
+
+    def sanitize(self, xs):
+        """Make a frame's tensors recordable, keeping every value that can hold a NaN: sparse,
+        nested and quantized tensors are recorded through their values, complex through its real
+        view, other devices copied to the ring's device; a meta tensor (no values) becomes an
+        empty stand-in."""
+        out = []
+        for x in xs:
+            x = x.detach()
+            if x.is_meta:
+                out.append(torch.empty(0, device=self.device))
+                continue
+            if x.is_nested:
+                parts = [t.reshape(-1) for t in x.unbind()]
+                x = torch.cat(parts) if parts else torch.empty(0, dtype=x.dtype, device=x.device)
+            elif x.layout == torch.sparse_coo:
+                x = x._values()
+            elif x.layout != torch.strided:  # compressed sparse layouts (CSR, CSC, BSR, BSC)
+                x = x.values()
+            if x.is_quantized:
+                x = x.dequantize()
+            if x.is_complex():
+                x = torch.view_as_real(x)
+            if x.dtype not in _RECORDABLE:
+                x = x.to(torch.float64)
+            if x.device != self.device:
+                x = x.to(self.device, non_blocking=self.device.type == "cuda")
+            out.append(x)
+        return out
+
+    @outside_inference_mode
+    def _grow(self, needed):
+        old = self.ring
+        size = self.size
+        new_size = size
+        while new_size < needed and new_size < MAX_RECORDS:
+            new_size *= 2
+        if new_size < needed:
+            # Beyond the cap: the oldest frames' records are overwritten; forget those frames.
+            limit = self.pos + (needed - (self.pos - self.window_lo)) - MAX_RECORDS
+            cut = 0
+            while cut < len(self.frames) and self.frames[cut].lowest < limit:
+                cut += 1
+            self.drop_frames(cut)
+            self.seen.clear()
+            if new_size == size:
+                return
+        ring = torch.zeros((new_size, old.shape[1]), dtype=old.dtype, device=old.device)
+        lo = self.window_lo if self.frames else self.pos
+        lo = max(lo, self.pos - size)
+        if self.pos > lo:
+            positions = torch.arange(lo, self.pos, device=old.device)
+            ring.index_copy_(0, positions % new_size, old.index_select(0, positions % size))
+        self.ring = ring
+        self.size = new_size
+
+    def drop_frames(self, cut):
+        """Forget the oldest `cut` frames."""
+        if cut <= 0:
+            return
+        del self.frames[:cut]
+        del self.frame_starts[:cut]
+        self.window_lo = min((f.lowest for f in self.frames), default=self.pos)
+        self.floor = max(0, self.floor - cut)
+        self.last_check_frames = max(0, self.last_check_frames - cut)
+        if self.on_drop is not None:
+            self.on_drop(cut)
+
+    def keep_context(self, boundary, max_frames):
+        """Frames before `boundary` are healthy: keep only the last `max_frames` module frames
+        of them as report context."""
+        self.last_check_frames = boundary
+        j = boundary
+        count = 0
+        while j > self.floor and count < max_frames:
+            j -= 1
+            if self.frames[j].hf:
+                count += 1
+        self.drop_frames(j)
+
+    def find_offender(self, trip_pos):
+        """Index of the frame that wrote the record at `trip_pos`, or None when it is gone."""
+        i = bisect.bisect_right(self.frame_starts, trip_pos) - 1
+        while i >= 0:
+            f = self.frames[i]
+            if f.start <= trip_pos < f.start + f.n_records:
+                return i
+            if f.start + f.n_records <= trip_pos:
+                return None
+            i -= 1
+        return None
+
+    def valid(self, position, end):
+        """Whether the record at `position` is still in the ring when `end` records were written."""
+        return position >= end - self.size
+
+    def host_copy(self):
+        """The ring on the host (one device->host copy; only after a trip, a trace or a headroom hit)."""
+        return self.ring.cpu().numpy()
+
+    @outside_inference_mode
+    def reset_after_trip(self):
+        """Untrip and forget every frame (records after a trip were not written: freeze on trip)."""
+        self.seen.clear()
+        ops.reset_state(self.state)
+        self.state_buf[WEIGHT_HEADROOM].fill_(0)
+        self.drop_frames(len(self.frames))
+        self.floor = 0
+        self.last_check_frames = 0
+
+    @outside_inference_mode
+    def clear_headroom(self):
+        """Re-arm the headroom flags after they were handled."""
+        self.state[2].fill_(0)
+        self.state[3].fill_(-1)
+        self.state_buf[WEIGHT_HEADROOM].fill_(0)

@@ -1,0 +1,262 @@
+"""What happens when the flag is up: the report (numguard.dump's schema) built from the ring's
+host copy, the on_trip action (raise / warn / dump), headroom warnings, and trace printing."""
+from __future__ import annotations
+
+import sys
+import warnings
+
+from .. import ops
+from .. import report as _report
+from ..errors import HeadroomWarning, InspectorWarning, NonFiniteError, NonFiniteWarning
+from . import checks
+from .frames import EXTRA, TENSOR
+from .options import STDOUT
+from .weights import LOW_PRECISION_MAX
+
+_KIND_NAMES = {0: _report.KIND_TENSOR, 1: _report.KIND_NONE, 2: _report.KIND_NOT_A_TENSOR}
+
+
+class Reporter:
+    """Turns a tripped state into a report and the configured action. Owns nothing on the device:
+    it reads the FrameRing and the WeightTable it is given."""
+
+    def __init__(self, ring, weights, options, warned, reader):
+        self.ring = ring
+        self.weights = weights
+        self.options = options
+        self.warned = warned
+        self.reader = reader
+        self.trips = 0                    # trips handled (on_trip warn/dump go on after one)
+        self.last_report = None
+        self.trip_message = None          # the NonFiniteError text, when the caller wants its own
+
+    # -- report dictionaries ---------------------------------------------------------------------
+    def frame_record(self, f, host_ring, tables, valid_end):
+        """One frame as a report dict entry (weights first, like Transformers)."""
+        owner = f.owner
+        labels, kinds, dtypes, shapes, records, extra = [], [], [], [], [], []
+        if f.with_weights and owner.widx:
+            table = tables.get(f.batch)
+            for name, w in zip(owner.wnames, owner.widx):
+                labels.append(name)
+                kinds.append(_report.KIND_TENSOR)
+                extra.append(False)
+                if table is not None and w < len(table[0]):
+                    records.append([float(v) for v in table[0][w]])
+                    dtypes.append(table[1]["dtypes"][w])
+                    shapes.append(table[1]["shapes"][w])
+                else:
+                    records.append(None)
+                    dtypes.append(None)
+                    shapes.append(None)
+        size = host_ring.shape[0]
+        t = 0
+        for label, kind in zip(f.labels, f.kinds):
+            base = kind & 3
+            labels.append(label)
+            kinds.append(_KIND_NAMES[base])
+            extra.append(bool(kind & EXTRA) or not f.hf)
+            if base == TENSOR:
+                p = f.positions[t]
+                records.append(None if p < valid_end - size else [float(v) for v in host_ring[p % size]])
+                dtypes.append(str(f.dtypes[t]))
+                shapes.append(list(f.shapes[t]))
+                t += 1
+            else:
+                records.append(None)
+                dtypes.append(None)
+                shapes.append(None)
+        return {"name": owner.name, "class": owner.cls, "section": f.section, "batch": f.batch,
+                "batch_start": f.batch_start, "hf": bool(f.hf), "labels": labels, "kinds": kinds,
+                "extra": extra, "dtypes": dtypes, "shapes": shapes, "records": records}
+
+    def build_report(self, offender, host_ring, found_at=None) -> dict:
+        """The report dictionary (numguard.dump's schema) for the frame at index `offender`."""
+        frames = self.ring.frames
+        off = frames[offender]
+        section = off.section
+        max_frames = self.options.max_frames_to_save
+        chosen = set()
+        floor = min(self.ring.floor, offender)
+        for want in {"forward", section}:
+            count = 0
+            j = offender
+            while j >= floor and count < max_frames:
+                f = frames[j]
+                if f.section == want:
+                    if want != "forward" or f.hf:
+                        count += 1
+                    chosen.add(j)
+                j -= 1
+        lo = min(chosen) if chosen else offender
+        tables = self.weights.host_tables({frames[j].batch for j in range(lo, offender + 1)})
+        valid_end = off.start + off.n_records  # the ring froze after the offending frame
+        out_frames = []
+        for j in range(lo, offender + 1):
+            fr = self.frame_record(frames[j], host_ring, tables, valid_end)
+            fr["in_report"] = j in chosen
+            fr["offender"] = j == offender
+            out_frames.append(fr)
+        offender_frame = out_frames[-1]
+        bad = [lab for lab, rec in zip(offender_frame["labels"], offender_frame["records"])
+               if _report.is_nonfinite(rec)]
+        batch = off.batch
+        hf_batch = batch + (1 if (off.owner.is_root and section == "forward" and off.hf) else 0)
+        return {
+            "format": "numguard-report", "version": 1,
+            "batch_number": hf_batch, "batch": batch, "found_at_batch": found_at,
+            "check": self.options.check, "check_every": self.options.check_every, "where": self.reader.where,
+            "rank": checks.rank(), "ranks": [],
+            "module": off.owner.name, "class": off.owner.cls, "labels": bad, "section": section,
+            "max_frames_to_save": max_frames, "headroom": self.options.headroom,
+            "backend": ops.backend(), "frames": out_frames,
+        }
+
+    # -- a trip ----------------------------------------------------------------------------------
+    def handle_trip(self, status, host_ring, on_trip=None, on_report=None):
+        """Report the trip `status` read, reset the ring, then raise / warn / dump. `on_report(
+        report, frames_after_offender)` is told of the report before the ring is reset."""
+        on_trip = on_trip or self.options.on_trip
+        report = None
+        module = None
+        labels = []
+        batch = None
+        if status.tripped:
+            offender = self.ring.find_offender(status.first_trip)
+            if offender is not None:
+                try:
+                    report = self.build_report(offender, host_ring, status.found_at)
+                except Exception as exc:  # the NaN is real even if numguard cannot render it
+                    off = self.ring.frames[offender]
+                    module, batch = off.owner.name, off.batch
+                    warnings.warn(f"numguard: could not render the report ({type(exc).__name__}: {exc})",
+                                  InspectorWarning, stacklevel=5)
+                else:
+                    module = report["module"]
+                    labels = report["labels"]
+                    batch = report["batch"]
+                    if on_report is not None:
+                        on_report(report, sum(1 for f in self.ring.frames[offender + 1:] if f.hf))
+            else:
+                module = "(frames no longer in the ring)"
+        ranks = []
+        coordination = checks.coordination(self.warned) if status.others else None
+        if coordination is not None:
+            ranks = coordination.gather_trip_details(module if status.tripped else None,
+                                                     batch if batch is not None else status.found_at,
+                                                     tripped=status.tripped)
+        if report is not None:
+            report["ranks"] = [list(r) for r in ranks]
+        self.last_report = report
+        self.ring.reset_after_trip()
+        rank = checks.rank()
+        text = _report.render(report, self.options.extras) if report is not None else ""
+        self.trips += 1
+        if text:
+            self.emit(text)
+        if report is not None and self.trip_message is not None:
+            msg = self.trip_message
+        elif report is not None:
+            on_rank = f" on rank {rank}" if rank is not None else ""
+            msg = (f"numguard: inf/nan detected{on_rank} during batch_number={report['batch']} in "
+                   f"{module if module else '(root module)'} ({report['class']}) "
+                   f"[{', '.join(labels)}]; the report above shows the frames that led to it")
+        else:
+            tripping = [r for r, m in ranks] or [i for i, v in enumerate(status.others) if v]
+            names = ", ".join(f"rank {r} ({m if m else '(root module)'})" if m is not None else f"rank {r}"
+                              for r, m in ranks) or ", ".join(f"rank {r}" for r in tripping)
+            msg = (f"numguard: inf/nan detected on {names}; that rank printed the report "
+                   "(this rank's values were finite)")
+        if on_trip == "raise":
+            raise NonFiniteError(msg, report=text, batch_number=batch if batch is not None else status.found_at,
+                                 module=module if status.tripped else (ranks[0][1] if ranks else None),
+                                 labels=labels, rank=rank, ranks=[r for r, _ in ranks])
+        if on_trip == "dump" and report is not None:
+            # Whatever goes wrong writing the file, the trip itself is still reported below.
+            try:
+                from .. import dump as _dump
+                path = _dump.write(report, self.options.dump_dir, rank=rank)
+                msg += f"; report written to {path}"
+            except Exception as exc:
+                msg += (f"; could not write the dump file ({type(exc).__name__}: {exc}): fix "
+                        f"dump_dir={self.options.dump_dir!r}")
+        warnings.warn(msg, NonFiniteWarning, stacklevel=5)
+
+    def emit(self, text):
+        """Print a report or trace to report_to; a failing target never hides the trip."""
+        target = self.options.report_to
+        if target is None:
+            return
+        try:
+            if target is STDOUT:
+                print(text, file=sys.stdout, flush=True)
+            elif callable(target) and not hasattr(target, "write"):
+                target(text)
+            else:
+                print(text, file=target, flush=True)
+        except Exception as exc:
+            warnings.warn(f"numguard: could not print the report to report_to={target!r} "
+                          f"({type(exc).__name__}: {exc}); it is still on the exception and in last_report",
+                          InspectorWarning, stacklevel=5)
+
+    # -- headroom --------------------------------------------------------------------------------
+    def handle_headroom(self, host_ring, boundary):
+        """Warn for each module whose low-precision tensor passed `headroom` of its dtype's
+        largest value (a module warns once), then re-arm the flags."""
+        ring = self.ring
+        size = host_ring.shape[0]
+        limit = self.options.headroom
+        reported = set()  # a tensor seen by several modules is reported for the first (its producer)
+        for f in ring.frames[:boundary]:
+            owner = f.owner
+            if owner.headroom == 0.0:
+                continue
+            t = 0
+            for label, kind in zip(f.labels, f.kinds):
+                if kind & 3 != TENSOR:
+                    continue
+                dtype = f.dtypes[t]
+                p = f.positions[t]
+                t += 1
+                dmax = LOW_PRECISION_MAX.get(dtype)
+                if dmax is None or p < ring.pos - size or p in reported:
+                    continue
+                reported.add(p)
+                value = float(host_ring[p % size][_report.ABS_MAX])
+                if value > limit * dmax:
+                    self._warn_headroom(owner, label, value, dtype, dmax)
+                    break
+        for owner, name, value, dtype in self.weights.over_headroom(limit):
+            self._warn_headroom(owner, name, value, dtype, LOW_PRECISION_MAX[dtype], weight=True)
+        ring.clear_headroom()
+
+    def _warn_headroom(self, owner, label, value, dtype, dmax, weight=False):
+        if not weight:
+            owner.headroom = 0.0  # warn once per module: this module no longer raises the flag
+        key = ("headroom", id(owner), label if weight else None)
+        if key in self.warned:
+            return
+        self.warned.add(key)
+        name = owner.name or "(root module)"
+        warnings.warn(f"numguard: {name} ({owner.cls}) {label} reached abs max {value:.4g}, "
+                      f"{value / dmax:.0%} of {str(dtype).replace('torch.', '')}'s largest finite value "
+                      f"{dmax:.6g} (headroom={self.options.headroom}); it may overflow soon: consider loss "
+                      "scaling, a wider dtype for this module, or smaller activations", HeadroomWarning,
+                      stacklevel=5)
+
+    # -- trace mode ------------------------------------------------------------------------------
+    def print_trace(self, batch):
+        """Print every forward frame of `batch` in Transformers' trace format."""
+        frames = self.ring.frames
+        first = None
+        for i in range(len(frames) - 1, self.ring.floor - 1, -1):
+            if frames[i].batch != batch:
+                break
+            first = i
+        if first is None:
+            return
+        host_ring = self.ring.host_copy()
+        tables = self.weights.host_tables({batch})
+        records = [self.frame_record(f, host_ring, tables, self.ring.pos) for f in frames[first:]
+                   if f.section == "forward"]
+        self.emit(_report.render_trace(records, self.options.extras)[:-1])

@@ -1,0 +1,200 @@
+"""The per-batch weight table: one multi-tensor stats launch per batch for every watched
+parameter, and a 0-dim flag per module (NaN when one of its own weights is non-finite) that rides
+along in the module's first frame of the batch, so the ring trips at the first frame that uses a
+non-finite weight, exactly where Transformers would."""
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+
+from .. import ops
+from .. import report as _report
+from .ring import WEIGHT_HEADROOM, outside_inference_mode
+
+LOW_PRECISION_MAX = {torch.float16: 65504.0, torch.bfloat16: torch.finfo(torch.bfloat16).max,
+                     torch.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max,
+                     torch.float8_e5m2: torch.finfo(torch.float8_e5m2).max}
+
+
+def _watchable(p):
+    return p.device.type != "meta" and not p.is_complex() and p.layout == torch.strided
+
+
+def _unique_params(params):
+    """Every watched parameter once (tied weights once), in module order."""
+    unique = []
+    seen = set()
+    for _, own in params:
+        for _, p in own:
+            if id(p) not in seen and _watchable(p):
+                seen.add(id(p))
+                unique.append(p)
+    return unique
+
+
+class WeightTable:
+    """Per-batch stats of every parameter of the watched modules, kept on the device.
+
+    `tables[batch] = (stats [W, 8], layout)`; layout rows are parameters, each owner knows its
+    rows (`owner.widx`) and names (`owner.wnames`)."""
+
+    def __init__(self, owners, headroom):
+        self.owners = owners
+        self.headroom = headroom
+        self.tables = {}
+        self.layout = None
+        self._cache = None           # (parameter ids, layout, weakrefs to parameters, dtypes)
+        self.limits_inv = None       # 1 / dtype max per row (0 for wide dtypes), for headroom
+
+    def _current_params(self):
+        params = []
+        for owner in self.owners:
+            module = owner.ref()
+            if module is None:
+                continue
+            own = []
+            seen = set()
+            for name, p in module._parameters.items():
+                if p is None or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                own.append((name, p))
+            params.append((owner, own))
+        return params
+
+    @outside_inference_mode
+    def record(self, batch, ring, move_to):
+        """Compute batch `batch`'s table (one launch) and the owners' weight flags. Every batch
+        recomputes it: parameter version counters cannot be trusted to skip it, since writes
+        through `.data` do not bump them. `move_to(device)` is called when the model moved."""
+        modules = [o.ref() for o in self.owners]
+        fingerprint = tuple([id(p) for m in modules if m is not None for p in m._parameters.values()])
+        cache = self._cache
+        unique = None
+        if cache is not None and cache[0] == fingerprint and cache[1] is self.layout:
+            unique = [r() for r in cache[2]]
+            if any(p is None for p in unique) or tuple(p.dtype for p in unique) != cache[3]:
+                unique = None
+        if unique is None:
+            unique = self._build_layout()
+            self._cache = (fingerprint, self.layout, [weakref.ref(p) for p in unique],
+                           tuple(p.dtype for p in unique))
+        layout = self.layout
+        if not layout["tensors_n"]:
+            return
+        if unique[0].device != ring.device:
+            # The model moved (e.g. .to(device) after watch()): start over on the new device.
+            move_to(unique[0].device)
+            unique = self._build_layout()
+            self._cache = None
+            layout = self.layout
+        with torch.no_grad():
+            stats = ops.multi_tensor_stats(unique) if layout["one_device"] else torch.cat(
+                [ops.tensor_stats(p).to(ring.device).view(1, -1) for p in unique])
+        self.tables[batch] = (stats, layout)
+        bad = (stats[:, _report.NAN] + stats[:, _report.POS_INF] + stats[:, _report.NEG_INF]) > 0
+        per_ref = torch.where(bad, math.nan, 0.0).to(torch.float32).index_select(0, layout["wi"])
+        flags = layout["flags"]
+        flags.zero_()
+        flags.index_add_(0, layout["mi"], per_ref)
+        if self.limits_inv is not None:
+            over = (stats[:, _report.ABS_MAX] * self.limits_inv > self.headroom).any()
+            flag = ring.state_buf[WEIGHT_HEADROOM:WEIGHT_HEADROOM + 1]
+            torch.maximum(flag, over.view(1).to(torch.int64), out=flag)
+
+    def _build_layout(self):
+        params = self._current_params()
+        unique = _unique_params(params)
+        index = {id(p): i for i, p in enumerate(unique)}
+        wi, mi = [], []
+        one_device = all(p.device == unique[0].device for p in unique)
+        owners_with = []
+        for owner in self.owners:
+            owner.flag = None
+        for owner, own in params:
+            names, widx = [], []
+            for name, p in own:
+                if id(p) not in index:
+                    continue
+                names.append(name)
+                widx.append(index[id(p)])
+            owner.wnames = tuple(names)
+            owner.widx = tuple(widx)
+            if widx:
+                owners_with.append(owner)
+                for w in widx:
+                    wi.append(w)
+                    mi.append(len(owners_with) - 1)
+        if not unique:
+            self.layout = {"tensors_n": 0}
+            self.limits_inv = None
+            return unique
+        dev = unique[0].device
+        flags = torch.zeros(len(owners_with), dtype=torch.float32, device=dev)
+        for i, owner in enumerate(owners_with):
+            owner.flag = flags[i]
+        self.layout = {
+            "tensors_n": len(unique),
+            "one_device": one_device,
+            "wi": torch.tensor(wi, dtype=torch.int64).to(dev),
+            "mi": torch.tensor(mi, dtype=torch.int64).to(dev),
+            "flags": flags,
+            "dtypes": [str(p.dtype) for p in unique],
+            "shapes": [list(p.shape) for p in unique],
+        }
+        limits = [(1.0 / LOW_PRECISION_MAX[p.dtype]) if p.dtype in LOW_PRECISION_MAX else 0.0 for p in unique]
+        if self.headroom > 0 and any(limits):
+            self.limits_inv = torch.tensor(limits, dtype=torch.float64).to(dev)
+        else:
+            self.limits_inv = None
+        return unique
+
+    def disable(self):
+        """Stop watching weights (after an internal error)."""
+        for owner in self.owners:
+            owner.flag = None
+        self.layout = None
+
+    def forget(self):
+        """Drop every table and the cached layout (the model moved to another device)."""
+        self.tables.clear()
+        self._cache = None
+
+    def drop_before(self, batch):
+        """Forget the tables of batches before `batch` (no held frame refers to them)."""
+        for b in [b for b in self.tables if b < batch]:
+            del self.tables[b]
+
+    def host_tables(self, batches):
+        """The tables of `batches` on the host: batch -> (numpy stats, layout)."""
+        out = {}
+        for b in batches:
+            entry = self.tables.get(b)
+            if entry is not None:
+                out[b] = (entry[0].cpu().numpy(), entry[1])
+        return out
+
+    def over_headroom(self, limit):
+        """(owner, parameter name, abs max, dtype) for each weight past `limit` of its dtype's
+        largest value, once per weight (host read; only after the headroom flag is up)."""
+        if self.limits_inv is None:
+            return []
+        found = []
+        tables = self.host_tables(list(self.tables))
+        limits = self.limits_inv.cpu().tolist()
+        for owner in self.owners:
+            for name, w in zip(owner.wnames, owner.widx):
+                if w >= len(limits) or limits[w] == 0.0:
+                    continue
+                for stats, layout in tables.values():
+                    if w < len(stats) and stats[w][_report.ABS_MAX] * limits[w] > limit:
+                        dtype = getattr(torch, layout["dtypes"][w].replace("torch.", ""))
+                        found.append((owner, name, float(stats[w][_report.ABS_MAX]), dtype))
+                        limits[w] = 0.0
+                        break
+        with torch.inference_mode(False):
+            self.limits_inv = torch.tensor(limits, dtype=torch.float64).to(self.limits_inv.device) \
+                if any(limits) else None
+        return found
