@@ -207,8 +207,11 @@ def ops_for(backend, device="cpu"):
         return types.SimpleNamespace(tensor_stats=torch.ops.numguard.tensor_stats.default,
                                      multi_tensor_stats=torch.ops.numguard.multi_tensor_stats.default,
                                      record_=torch.ops.numguard.record_.default)
+    def record_(ring, state, xs, position, headroom):
+        _torch_ops.record_(ring, state, xs, position, headroom, numguard.ops.headroom_limits(xs))
+
     return types.SimpleNamespace(tensor_stats=_torch_ops.tensor_stats,
-                                 multi_tensor_stats=_torch_ops.multi_tensor_stats, record_=_torch_ops.record_)
+                                 multi_tensor_stats=_torch_ops.multi_tensor_stats, record_=record_)
 
 
 BACKENDS = [pytest.param("native", marks=requires_native), "torch"]
