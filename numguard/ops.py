@@ -10,6 +10,7 @@ sync-free; a warning says so once, and fallback_reason() says why.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import warnings
@@ -86,11 +87,11 @@ def _build_info_mismatch() -> str | None:
     if importlib.util.find_spec(f"{__package__}._C") is None:
         return None  # no extension at all: importing it below gives the usual ImportError
     try:
-        from . import _build_info
+        build_info = importlib.import_module(f"{__package__}._build_info")
     except ImportError:
         return (f"numguard._C exists but numguard/_build_info.py, which says which torch it was built for, "
                 f"is missing (a build from before numguard recorded it, or a copied .so): {_REBUILD}")
-    return build_mismatch(_build_info.TORCH_VERSION, _build_info.CUDA_VERSION, torch.__version__, torch.version.cuda)
+    return build_mismatch(build_info.TORCH_VERSION, build_info.CUDA_VERSION, torch.__version__, torch.version.cuda)
 
 
 def _load_native():
