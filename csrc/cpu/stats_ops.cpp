@@ -1,18 +1,19 @@
 // CPU implementations of numguard's ops: tensor_stats, multi_tensor_stats, record_.
 //
 // A tensor becomes a `Plan`: its element kind and how to walk its memory without a copy
-// (NOTE: [layouts] in numguard/host_checks.h). Dtypes, the input rule and its messages, and ring
-// and state validation are shared with the CUDA ops (numguard/host_checks.h). The work of one call, over all its tensors, is a flat list of fixed-size
-// chunks; chunks run on at::parallel_for and each fills its own partial accumulator, and a
-// tensor's partials are merged in chunk order. Accumulators merge exactly (NOTE: [magnitude bits]
-// in numguard/stats_reduce.h), so records are identical for any thread count.
+// (NOTE: [layouts] in numguard/host_checks.h, which also holds the dtype table, the input rule and
+// its messages, and the ring/state checks shared with the CUDA ops). The work of one call, over
+// all its tensors, is a flat list of fixed-size chunks; chunks run on at::parallel_for and each
+// fills its own partial accumulator, and a tensor's partials are merged in chunk order.
+// Accumulators merge exactly (NOTE: [magnitude bits] in numguard/stats_reduce.h), so records are
+// identical for any thread count.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/SmallVector.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstring>
+#include <utility>
 #include <vector>
 
 #include "numguard/host_checks.h"
