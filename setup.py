@@ -57,7 +57,7 @@ def _extensions():
         sys.exit("NUMGUARD_BUILD_CUDA=1 but the CUDA kernels cannot be built: "
                  f"torch.version.cuda={torch.version.cuda!r}, CUDA toolkit found: {cuda_home!r}")
 
-    sources = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
     include_dirs = [os.path.join(HERE, "csrc", "include")]
     cxx_flags = ["-O3", "-g0", "-fvisibility=hidden"]
     define_macros = []
@@ -116,10 +116,38 @@ class BuildPyWithStartupHook(build_py):
         return outputs
 
 
+BUILD_INFO_NAME = "_build_info.py"  # next to numguard/_C*.so; read by numguard.ops before importing _C
+
+
+def _build_info_source():
+    import torch
+    return ('"""Written by numguard\'s setup.py when it built numguard._C: the torch it was built against.\n'
+            'numguard.ops compares these with the running torch before importing _C."""\n'
+            f"TORCH_VERSION = {torch.__version__!r}\n"
+            f"CUDA_VERSION = {torch.version.cuda!r}\n")
+
+
 def _cmdclass():
     from torch.utils import cpp_extension
-    return {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True),
-            "build_py": BuildPyWithStartupHook}
+
+    class BuildExtWithBuildInfo(cpp_extension.BuildExtension.with_options(use_ninja=True)):
+        """Also write numguard/_build_info.py beside the built extension (and beside its in-place
+        copy for --inplace and editable installs), so that a torch upgrade without a rebuild is
+        detected before the mismatched .so is loaded."""
+
+        def run(self):
+            super().run()
+            folders = {os.path.dirname(self.get_ext_fullpath("numguard._C"))}
+            if self.inplace:  # setuptools built into build_lib, then copied the .so into the source
+                self.inplace = False
+                folders.add(os.path.dirname(self.get_ext_fullpath("numguard._C")))
+                self.inplace = True
+            for folder in folders:
+                os.makedirs(folder, exist_ok=True)
+                with open(os.path.join(folder, BUILD_INFO_NAME), "w") as f:
+                    f.write(_build_info_source())
+
+    return {"build_ext": BuildExtWithBuildInfo, "build_py": BuildPyWithStartupHook}
 
 
 setup(ext_modules=_extensions(), cmdclass=_cmdclass())

@@ -5,10 +5,14 @@
 // only functions are host-side helpers that are not tensor ops.
 #include <torch/extension.h>
 
+#include <iterator>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "numguard/build_info.h"
+#include "numguard/host_checks.h"
+#include "numguard/stats_reduce.h"
 
 TORCH_LIBRARY(numguard, m) {
   // float64[8] record of x (see numguard.STAT_FIELDS). Never synchronizes with the host.
@@ -22,10 +26,41 @@ TORCH_LIBRARY(numguard, m) {
   m.def("record_(Tensor(a!) ring, Tensor(b!) state, Tensor[] xs, int position, float headroom) -> ()");
 }
 
+namespace {
+
+// The layout this build computes with, for numguard.ops to compare with numguard.schema at load.
+std::vector<std::string> stat_fields() {
+  return {std::begin(numguard::kStatFieldNames), std::end(numguard::kStatFieldNames)};
+}
+
+std::vector<std::string> state_layout() {
+  return {std::begin(numguard::kStateFieldNames), std::end(numguard::kStateFieldNames)};
+}
+
+// (name, max, tiny, headroom limit) of each recordable dtype, max and tiny decoded from the very
+// formats the kernels use (tiny 0 for integers and bool; limit 0 where headroom is not checked).
+std::vector<std::tuple<std::string, double, double, double>> dtypes() {
+  std::vector<std::tuple<std::string, double, double, double>> out;
+  for (at::ScalarType t : numguard::kRecordableTypes) {
+    numguard::DtypeInfo info{};
+    numguard::recordable_dtype(t, &info);
+    out.emplace_back(numguard::dtype_name(t), numguard::dtype_max(info), numguard::dtype_tiny(info),
+                     numguard::headroom_limit(info.kind));
+  }
+  return out;
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.doc() = "numguard native kernels (ops are registered under torch.ops.numguard)";
   module.def("cpu_capabilities", &numguard::cpu_capabilities,
              "Instruction sets the CPU kernels were built for and which one this CPU runs.");
   module.def("cuda_architectures", &numguard::cuda_architectures,
              "CUDA architectures the kernels were compiled for (empty without CUDA kernels).");
+  module.def("stat_fields", &stat_fields, "Field names of a stats record, in order (numguard.schema.STAT_FIELDS).");
+  module.def("state_layout", &state_layout,
+             "Field names of the recording state, in order (numguard.schema.STATE_FIELDS).");
+  module.def("dtypes", &dtypes,
+             "(name, max, tiny, headroom limit) of each dtype the kernels record (numguard.schema.DTYPES).");
 }

@@ -8,40 +8,9 @@ from typing import Sequence
 
 import torch
 
-NUM_STATS = 8
-STATE_SIZE = 4
-# Positions in a record and in the recording state (mirror csrc/include/numguard/stats_reduce.h).
-ABS_MIN, ABS_MAX, MIN_NONZERO, NAN, POS_INF, NEG_INF, ZERO, SUBNORMAL = range(NUM_STATS)
-TRIPPED, FIRST_TRIP_POSITION, HEADROOM_HIT, FIRST_HEADROOM_POSITION = range(STATE_SIZE)
-
-# Low-precision dtypes whose headroom (abs max against finfo.max) record_ checks.
-HEADROOM_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def check_tensor(x, what: str = "x") -> None:
-    """Reject inputs that have no meaningful stats, naming the value and what to do."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"numguard: {what} must be a torch.Tensor, got {type(x).__name__}")
-    if x.is_complex():
-        raise TypeError(f"numguard: {what} has complex dtype {x.dtype}; stats are defined for real "
-                        "tensors: pass torch.view_as_real(x) to check its real and imaginary parts")
-    if x.layout != torch.strided:
-        raise ValueError(f"numguard: {what} has layout {x.layout}; only dense (strided) tensors are "
-                         "supported: pass x.to_dense()")
-    if x.device.type == "meta":
-        raise ValueError(f"numguard: {what} is a meta tensor (shape {tuple(x.shape)}), which has no "
-                         "values to check: pass a tensor on a real device")
-
-
-def check_same_device(xs: Sequence[torch.Tensor], what: str = "xs") -> None:
-    for i, x in enumerate(xs):
-        check_tensor(x, f"{what}[{i}]")
-    if xs:
-        device = xs[0].device
-        for i, x in enumerate(xs):
-            if x.device != device:
-                raise ValueError(f"numguard: {what}[{i}] is on {x.device} but {what}[0] is on {device}; "
-                                 "all tensors of one call must be on one device: split the call per device")
+# Record and state layout (numguard.schema); the names stay importable from here.
+from .schema import (ABS_MAX, ABS_MIN, FIRST_HEADROOM_POSITION, FIRST_TRIP_POSITION, HEADROOM_HIT,  # noqa: F401
+                     MIN_NONZERO, NAN, NEG_INF, NUM_STATS, POS_INF, STATE_SIZE, SUBNORMAL, TRIPPED, ZERO)
 
 
 def empty_record(device) -> torch.Tensor:
@@ -57,6 +26,9 @@ def empty_record(device) -> torch.Tensor:
 def tensor_stats(x: torch.Tensor) -> torch.Tensor:
     if x.numel() == 0:
         return empty_record(x.device)
+    if x.dtype == torch.bool:
+        # A bool is 0 or 1 whatever byte its storage holds (a uint8 viewed as bool may hold 2).
+        x = x.view(torch.uint8) != 0
     values = x.detach().to(torch.float64)  # every supported dtype embeds exactly (ints: monotonically)
     mag = values.abs()
     finite = torch.isfinite(values)
@@ -71,7 +43,7 @@ def tensor_stats(x: torch.Tensor) -> torch.Tensor:
     neg_inf = (values == float("-inf")).sum()
     zero = (values == 0).sum()
     if x.is_floating_point():
-        tiny = torch.finfo(x.dtype).tiny
+        tiny = torch.finfo(x.dtype).tiny  # equal to numguard.schema.DTYPES[...].tiny (tested)
         subnormal = (finite & (mag > 0) & (mag < tiny)).sum()
     else:
         subnormal = torch.zeros((), dtype=torch.int64, device=x.device)
@@ -85,12 +57,10 @@ def multi_tensor_stats(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([tensor_stats(x) for x in xs])
 
 
-def headroom_limits(xs: Sequence[torch.Tensor]) -> list[float]:
-    return [torch.finfo(x.dtype).max if x.dtype in HEADROOM_DTYPES else 0.0 for x in xs]
-
-
 def record_(ring: torch.Tensor, state: torch.Tensor, xs: Sequence[torch.Tensor], position: int,
-            headroom: float) -> None:
+            headroom: float, limits: Sequence[float] | None = None) -> None:
+    """limits: per tensor, the largest finite value of its dtype when its headroom is checked, else
+    0 (numguard.ops.headroom_limits); needed only when headroom > 0."""
     if not xs:
         return
     records = multi_tensor_stats(xs).to(ring.device)
@@ -108,7 +78,7 @@ def record_(ring: torch.Tensor, state: torch.Tensor, xs: Sequence[torch.Tensor],
     state[TRIPPED] = torch.where(trips_now, 1, state[TRIPPED])
     if headroom > 0:
         limits = torch.cat([torch.full((1,), limit, dtype=torch.float64, device=ring.device)
-                            for limit in headroom_limits(xs)])
+                            for limit in limits])
         over = (limits > 0) & (records[:, ABS_MAX] > headroom * limits)
         first_over = torch.where(over, positions, positions.new_full((), position + n)).amin()
         hits_now = over.any() & ~frozen & (state[HEADROOM_HIT] == 0)

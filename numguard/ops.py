@@ -1,48 +1,126 @@
 """numguard's tensor ops: typed wrappers over torch.ops.numguard, fake implementations for
-torch.compile, and the choice of backend.
+torch.compile, the input rule both backends share, and the choice of backend.
 
-The native extension (`numguard._C`) registers the ops with the PyTorch dispatcher. When it cannot
-be loaded (not built, ABI mismatch, or NUMGUARD_BACKEND=torch), the same functions run on a
-pure-PyTorch implementation that gives identical records and stays sync-free; a warning says so once.
+The native extension (`numguard._C`) registers the ops with the PyTorch dispatcher. It is used only
+when it was built for the running torch (numguard/_build_info.py, written by setup.py, is checked
+before `_C` is imported: a mismatched ABI can abort the process rather than raise) and when its
+record, state and dtype layout equals numguard.schema. Otherwise, or with NUMGUARD_BACKEND=torch,
+the same functions run on a pure-PyTorch implementation that gives identical records and stays
+sync-free; a warning says so once, and fallback_reason() says why.
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import warnings
 from typing import Sequence
 
 import torch
 
-from . import _torch_ops
-from ._torch_ops import NUM_STATS, STATE_SIZE, check_same_device, check_tensor
+from . import _torch_ops, schema
+from .schema import NUM_STATS, STAT_FIELDS, STATE_INITIAL, STATE_SIZE
 
-STAT_FIELDS = ("abs_min", "abs_max", "min_nonzero", "nan", "pos_inf", "neg_inf", "zero", "subnormal")
-assert len(STAT_FIELDS) == NUM_STATS
-
+# NUMGUARD_CPU_ISA caps the CPU kernels' instruction-set level; unset or empty: the best this CPU
+# supports. csrc/cpu/dispatch.cpp accepts the same values.
+CPU_ISA_CHOICES = ("avx512", "avx2", "baseline")
 _BACKEND_CHOICES = ("auto", "native", "torch")
+_REBUILD = ("rebuild numguard's extension with `pip install --no-build-isolation -e .` "
+            "(or `python setup.py build_ext --inplace`) in its source folder")
+
+
+def _env_choice(name: str, choices: Sequence[str], default: str | None) -> str | None:
+    """The value of NUMGUARD_* variable `name` (trimmed, lower case) if it is one of `choices`,
+    `default` when unset or empty; anything else is an error naming the variable and the choices."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not valid: use one of {', '.join(choices)}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading the extension
+
+def build_mismatch(built_torch: str, built_cuda: str | None, running_torch: str,
+                   running_cuda: str | None) -> str | None:
+    """Why an extension built for (built_torch, built_cuda) cannot run under (running_torch,
+    running_cuda), or None when they are the same build of torch."""
+    if built_torch != running_torch:
+        return f"numguard's extension was built for torch {built_torch}, running torch {running_torch}: {_REBUILD}"
+    if built_cuda != running_cuda:
+        return (f"numguard's extension was built against CUDA {built_cuda}, running torch {running_torch} uses "
+                f"CUDA {running_cuda}: {_REBUILD}")
+    return None
+
+
+def _native_dtype_rows():
+    """numguard.schema.DTYPES in the shape _C.dtypes() reports: (name, max, tiny, headroom limit)
+    of each recordable dtype, in order; tiny 0 where there is none, limit 0 where not checked."""
+    return [(info.name, float(info.max), float(info.tiny or 0.0), float(info.max) if info.low_precision else 0.0)
+            for info in schema.DTYPES.values() if info.recordable]
+
+
+def schema_mismatch(stat_fields, state_fields, dtypes) -> str | None:
+    """How the layout an extension reports (_C.stat_fields(), _C.state_layout(), _C.dtypes())
+    differs from numguard.schema, or None when it is the same."""
+    diffs = []
+    if tuple(stat_fields) != STAT_FIELDS:
+        diffs.append(f"stats record fields {tuple(stat_fields)} != {STAT_FIELDS}")
+    if tuple(state_fields) != schema.STATE_FIELDS:
+        diffs.append(f"recording state fields {tuple(state_fields)} != {schema.STATE_FIELDS}")
+    got = [(str(n), float(m), float(t), float(h)) for n, m, t, h in dtypes]
+    want = _native_dtype_rows()
+    if got != want:
+        wrong = [f"{g} != {w}" for g, w in zip(got, want) if g != w]
+        if len(got) != len(want):
+            wrong.append(f"dtypes {[g[0] for g in got]} != {[w[0] for w in want]}")
+        diffs.append("dtype table (name, max, tiny, headroom limit): " + "; ".join(wrong))
+    if not diffs:
+        return None
+    return f"numguard's extension does not match numguard.schema ({'; '.join(diffs)}): {_REBUILD}"
+
+
+def _build_info_mismatch() -> str | None:
+    """Compare numguard/_build_info.py with the running torch, before `_C` is imported."""
+    if importlib.util.find_spec(f"{__package__}._C") is None:
+        return None  # no extension at all: importing it below gives the usual ImportError
+    try:
+        build_info = importlib.import_module(f"{__package__}._build_info")
+    except ImportError:
+        return (f"numguard._C exists but numguard/_build_info.py, which says which torch it was built for, "
+                f"is missing (a build from before numguard recorded it, or a copied .so): {_REBUILD}")
+    return build_mismatch(build_info.TORCH_VERSION, build_info.CUDA_VERSION, torch.__version__, torch.version.cuda)
 
 
 def _load_native():
-    """Import the extension; return (module, None) or (None, reason)."""
-    choice = os.environ.get("NUMGUARD_BACKEND", "auto").strip().lower() or "auto"
-    if choice not in _BACKEND_CHOICES:
-        raise ValueError(f"NUMGUARD_BACKEND={choice!r} is not valid: use one of {', '.join(_BACKEND_CHOICES)}")
+    """Return (module, None) when the extension serves the ops, else (None, reason)."""
+    choice = _env_choice("NUMGUARD_BACKEND", _BACKEND_CHOICES, "auto")
+    _env_choice("NUMGUARD_CPU_ISA", CPU_ISA_CHOICES, None)  # a bad value fails on every backend
     if choice == "torch":
         return None, "NUMGUARD_BACKEND=torch"
-    try:
-        from . import _C  # noqa: F401  (importing runs the op registrations)
-    except Exception as exc:  # any failure to load leaves numguard usable on the fallback
-        if choice == "native":
-            raise ImportError(f"NUMGUARD_BACKEND=native but numguard's extension failed to load: {exc}") from exc
-        return None, f"{type(exc).__name__}: {exc}"
-    return _C, None
+    native, reason = None, _build_info_mismatch()
+    if reason is None:
+        try:
+            from . import _C as native  # importing runs the op registrations
+        except Exception as exc:  # any failure to load leaves numguard usable on the fallback
+            reason = f"{type(exc).__name__}: {exc}"
+        else:
+            reason = schema_mismatch(native.stat_fields(), native.state_layout(), native.dtypes())
+    if reason is None:
+        return native, None
+    if choice == "native":
+        raise ImportError(f"NUMGUARD_BACKEND=native but numguard's extension cannot be used: {reason}")
+    return None, reason
 
 
 _native, _fallback_reason = _load_native()
 if _native is None and _fallback_reason != "NUMGUARD_BACKEND=torch":
     warnings.warn(f"numguard: native kernels unavailable ({_fallback_reason}); using the pure-PyTorch "
-                  "implementation (same results, slower). Rebuild with "
-                  "`pip install --no-build-isolation -e .` to get the kernels.", RuntimeWarning, stacklevel=2)
+                  "implementation (same results, slower)"
+                  + ("." if _REBUILD in _fallback_reason else f". To get the kernels, {_REBUILD}."),
+                  RuntimeWarning, stacklevel=2)
 
 
 def backend() -> str:
@@ -76,6 +154,64 @@ if _native is not None:
         return None
 
 
+# ---------------------------------------------------------------------------------------------
+# Dtypes and the input rule (the native kernels apply the same rule with the same messages:
+# csrc/include/numguard/host_checks.h)
+
+_DTYPE_TABLE = {getattr(torch, name): info for name, info in schema.DTYPES.items() if hasattr(torch, name)}
+
+
+def dtype_entry(dtype: torch.dtype) -> schema.DtypeInfo | None:
+    """numguard.schema.DTYPES' entry for a torch dtype, or None for a dtype it does not list."""
+    return _DTYPE_TABLE.get(dtype)
+
+
+def headroom_limits(xs: Sequence[torch.Tensor]) -> list[float]:
+    """Per tensor: the largest finite value of its dtype when record_ checks its headroom, else 0."""
+    limits = []
+    for x in xs:
+        entry = _DTYPE_TABLE.get(x.dtype)
+        limits.append(float(entry.max) if entry is not None and entry.low_precision else 0.0)
+    return limits
+
+
+def check_tensor(x, what: str = "x") -> None:
+    """Reject what has no meaningful stats, naming the argument, what it is and what is accepted.
+    Checks run in the order the native kernels run them, so both backends give the same error."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"numguard: {what} must be a torch.Tensor, got {type(x).__name__}")
+    if x.is_nested:
+        raise ValueError(f"numguard: {what} is a nested tensor (layout {x.layout}); only dense (strided) tensors "
+                         f"are supported: pass its tensors ({what}.unbind()) one by one")
+    if x.layout != torch.strided:
+        raise ValueError(f"numguard: {what} has layout {x.layout}; only dense (strided) tensors are supported: "
+                         f"pass {what}.to_dense()")
+    if x.is_quantized:
+        raise TypeError(f"numguard: {what} is a quantized tensor ({x.dtype}); only unquantized tensors are "
+                        f"supported: pass {what}.dequantize()")
+    entry = _DTYPE_TABLE.get(x.dtype)
+    if entry is None or not entry.recordable:
+        if x.is_complex():
+            raise TypeError(f"numguard: {what} has complex dtype {x.dtype}; stats are defined for real tensors: "
+                            f"pass torch.view_as_real({what}) to check its real and imaginary parts")
+        raise TypeError(f"numguard: {what} has dtype {x.dtype}, which numguard does not support; supported dtypes: "
+                        f"{', '.join(schema.RECORDABLE_DTYPES)}")
+    if x.device.type == "meta":
+        raise ValueError(f"numguard: {what} is a meta tensor (shape {tuple(x.shape)}), which has no "
+                         "values to check: pass a tensor on a real device")
+
+
+def check_same_device(xs: Sequence[torch.Tensor], what: str = "xs") -> None:
+    for i, x in enumerate(xs):
+        check_tensor(x, f"{what}[{i}]")
+    if xs:
+        device = xs[0].device
+        for i, x in enumerate(xs):
+            if x.device != device:
+                raise ValueError(f"numguard: {what}[{i}] is on {x.device} but {what}[0] is on {device}; "
+                                 "all tensors of one call must be on one device: split the call per device")
+
+
 def _check_for_native(xs: list, what: str = "xs") -> None:
     """The native kernels check dtype, layout and devices themselves with the same messages; what
     they never see is a meta or non-tensor argument (meta goes to the fake kernel), so only those
@@ -84,6 +220,16 @@ def _check_for_native(xs: list, what: str = "xs") -> None:
         if not isinstance(x, torch.Tensor) or x.is_meta:
             check_same_device(xs, what)
 
+
+def _explain_native_error(xs: list) -> None:
+    """After a native op failed: raise numguard's own error when an argument breaks the input rule
+    (e.g. a Python tensor subclass such as a jagged nested tensor, which the dispatcher hands to the
+    subclass before any numguard kernel sees it); return when none does, to re-raise the original."""
+    check_same_device(xs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ops
 
 def tensor_stats(x: torch.Tensor) -> torch.Tensor:
     """float64[8] stats record of `x` on x.device (fields: STAT_FIELDS). No host sync."""
@@ -102,7 +248,11 @@ def multi_tensor_stats(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     _check_for_native(xs)
     if not xs:  # no tensor argument: the dispatcher could not pick a device
         return torch.empty((0, NUM_STATS), dtype=torch.float64)
-    return torch.ops.numguard.multi_tensor_stats.default(xs)
+    try:
+        return torch.ops.numguard.multi_tensor_stats.default(xs)
+    except RuntimeError:
+        _explain_native_error(xs)
+        raise
 
 
 def new_ring(num_records: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,9 +266,9 @@ def new_ring(num_records: int, device=None) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def reset_state(state: torch.Tensor) -> None:
-    """Untrip a recording state in place (device-side writes, no host sync)."""
-    state[0::2].fill_(0)  # TRIPPED, HEADROOM_HIT
-    state[1::2].fill_(-1)  # FIRST_TRIP_POSITION, FIRST_HEADROOM_POSITION
+    """Untrip a recording state in place (device-side fills, no host sync)."""
+    for index, value in enumerate(STATE_INITIAL):
+        state[index].fill_(value)
 
 
 def record_(ring: torch.Tensor, state: torch.Tensor, xs: Sequence[torch.Tensor], position: int,
@@ -128,7 +278,11 @@ def record_(ring: torch.Tensor, state: torch.Tensor, xs: Sequence[torch.Tensor],
     xs = list(xs)
     if _native is None:
         check_same_device(xs)
-        _torch_ops.record_(ring, state, xs, position, headroom)
+        _torch_ops.record_(ring, state, xs, position, headroom, headroom_limits(xs) if headroom > 0 else None)
         return
     _check_for_native(xs)
-    torch.ops.numguard.record_.default(ring, state, xs, position, headroom)
+    try:
+        torch.ops.numguard.record_.default(ring, state, xs, position, headroom)
+    except RuntimeError:
+        _explain_native_error(xs)
+        raise

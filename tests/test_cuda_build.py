@@ -65,6 +65,17 @@ def test_every_op_has_cuda_and_cpu_kernels(op):
     assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU"), f"{name} has no CPU kernel"
 
 
+@pytest.mark.parametrize("op", OPS)
+def test_non_dense_cuda_tensors_reach_numguard_kernels(op):
+    """Sparse, quantized and nested CUDA tensors get numguard's error (csrc/unsupported.cpp), not
+    the dispatcher's "Could not run": checked on the dispatch table, so also without a GPU."""
+    if ops.native_module() is None:
+        pytest.skip(f"the native extension is not loaded ({ops.fallback_reason()})")
+    name = f"numguard::{op}"
+    for key in ("SparseCUDA", "SparseCsrCUDA", "QuantizedCUDA", "NestedTensorCUDA", "AutogradNestedTensor"):
+        assert torch._C._dispatch_has_computed_kernel_for_dispatch_key(name, key), f"{name}: nothing for {key}"
+
+
 def test_native_backend_serves_the_ops():
     _require_cuda_kernels()
     assert numguard.backend() == "native"

@@ -8,12 +8,14 @@ import re
 import subprocess
 import sys
 import types
+import warnings
 
 import pytest
 import torch
 
 import numguard
 from numguard import _torch_ops
+from numguard.schema import ABS_MAX
 from conftest import DEVICES, HAS_CUDA, NATIVE, no_host_sync, requires_native
 from inspector_helpers import SyncCounter
 
@@ -67,7 +69,10 @@ def reference_stats(x):
     converts to float64 monotonically, floats exactly)."""
     if x.numel() == 0:
         return torch.tensor([INF, 0.0, INF, 0, 0, 0, 0, 0], dtype=torch.float64)
-    v = x.detach().cpu().reshape(-1).to(torch.float64)
+    v = x.detach().cpu().reshape(-1)
+    if v.dtype == torch.bool:  # a bool is 0 or 1 whatever non-zero byte stores it
+        v = v.view(torch.uint8) != 0
+    v = v.to(torch.float64)
     finite = v[torch.isfinite(v)].abs()
     nonzero = finite[finite != 0]
     tiny = torch.finfo(x.dtype).tiny if x.is_floating_point() else 0.0
@@ -207,8 +212,11 @@ def ops_for(backend, device="cpu"):
         return types.SimpleNamespace(tensor_stats=torch.ops.numguard.tensor_stats.default,
                                      multi_tensor_stats=torch.ops.numguard.multi_tensor_stats.default,
                                      record_=torch.ops.numguard.record_.default)
+    def record_(ring, state, xs, position, headroom):
+        _torch_ops.record_(ring, state, xs, position, headroom, numguard.ops.headroom_limits(xs))
+
     return types.SimpleNamespace(tensor_stats=_torch_ops.tensor_stats,
-                                 multi_tensor_stats=_torch_ops.multi_tensor_stats, record_=_torch_ops.record_)
+                                 multi_tensor_stats=_torch_ops.multi_tensor_stats, record_=record_)
 
 
 BACKENDS = [pytest.param("native", marks=requires_native), "torch"]
@@ -731,7 +739,7 @@ def test_ops_never_read_values_back_to_the_host(backend):
     ops = ops_for(backend)
     gen = torch.Generator().manual_seed(11)
     xs = [hostile_values(dtype) for dtype in ALL_DTYPES] + [planted(torch.float16, 5000, gen),
-                                                           torch.empty(0), torch.tensor(2.0)]
+                                                           torch.empty(0), torch.tensor(2.0), odd_bools(300)]
     ring, state = numguard.ops.new_ring(4)
     with SyncCounter()() as mode:
         for x in xs:
@@ -742,3 +750,163 @@ def test_ops_never_read_values_back_to_the_host(backend):
         ops.record_(ring, state, xs[:2], 30, 0.9)
     assert mode.total == 0, mode.where
     assert state[0].item() == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile inputs: one rule for both backends and every entry point. Layouts, quantized and nested
+# tensors, complex, meta and the float8/float4 formats the kernels do not decode get numguard's
+# own error (the argument, what it is, what is accepted), the same on the native kernels, the
+# pure-PyTorch fallback and the raw dispatcher op; bools holding bytes other than 0/1 are exact.
+
+def odd_bools(n, offset=0):
+    """n bools whose storage holds bytes 0, 1, 2, 0x80 and 0xFF (any non-zero byte is true)."""
+    raw = torch.tensor([0, 1, 2, 0x80, 0xFF, 0, 7], dtype=torch.uint8).repeat(n // 7 + 2)
+    return raw[offset:offset + n].view(torch.bool)
+
+
+def _base(device):
+    return torch.tensor([[1.5, -INF, 0.0], [float("nan"), 3.0, -2.0]], device=device)
+
+
+def _fp8_bytes(dtype):
+    return lambda device: torch.tensor([0, 1, 0x80, 0x7F, 0xFF, 0x3C], dtype=torch.uint8, device=device).view(dtype)
+
+
+# name -> (factory(device), exception type, the words that say what it is, CPU only)
+HOSTILE = {
+    "sparse_coo": (lambda d: _base(d).to_sparse(), ValueError, "layout torch.sparse_coo", False),
+    "sparse_csr": (lambda d: _base(d).to_sparse_csr(), ValueError, "layout torch.sparse_csr", False),
+    "sparse_csc": (lambda d: _base(d).to_sparse_csc(), ValueError, "layout torch.sparse_csc", False),
+    "sparse_bsr": (lambda d: _base(d).to_sparse_bsr((1, 1)), ValueError, "layout torch.sparse_bsr", False),
+    "mkldnn": (lambda d: _base(d).to_mkldnn(), ValueError, "layout torch._mkldnn", True),
+    "quantized": (lambda d: torch.quantize_per_tensor(_base(d).nan_to_num(0, 0, 0), 0.1, 0, torch.qint8),
+                  TypeError, "quantized tensor (torch.qint8)", True),
+    "nested": (lambda d: torch.nested.nested_tensor([torch.ones(2, device=d), torch.ones(3, device=d)]),
+               ValueError, "nested tensor (layout torch.strided)", False),
+    "nested_jagged": (lambda d: torch.nested.nested_tensor([torch.ones(2, device=d), torch.ones(3, device=d)],
+                                                           layout=torch.jagged),
+                      ValueError, "nested tensor (layout torch.jagged)", False),
+    "complex64": (lambda d: torch.tensor([1 + 2j], device=d), TypeError, "complex dtype torch.complex64", False),
+    "complex32": (lambda d: torch.tensor([1 + 2j], device=d).to(torch.complex32), TypeError,
+                  "complex dtype torch.complex32", False),
+    "meta": (lambda d: torch.empty(3, device="meta"), ValueError, "meta tensor", False),
+    **{name: (_fp8_bytes(getattr(torch, name)), TypeError, f"dtype torch.{name}, which numguard does not support",
+              False)
+       for name in ("float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
+       if hasattr(torch, name)},
+}
+# What each error says is accepted instead.
+ACCEPTED = {ValueError: ("only dense (strided) tensors are supported", "pass a tensor on a real device"),
+            TypeError: ("supported dtypes: " + ", ".join(numguard.schema.RECORDABLE_DTYPES),
+                        "only unquantized tensors are supported", "stats are defined for real tensors")}
+ENTRY_POINTS = ("tensor_stats", "multi_tensor_stats", "record_")
+
+
+def _call_entry(entry, x, via):
+    """Call `entry` with x (as xs[1] behind a healthy tensor for the list ops) through numguard's
+    wrappers (via="wrapper") or the raw dispatcher op (via="dispatcher")."""
+    ok = torch.ones(2, device=x.device if x.device.type != "meta" else "cpu")
+    ring, state = numguard.ops.new_ring(2, ok.device)
+    if via == "dispatcher":
+        ops = torch.ops.numguard
+        calls = {"tensor_stats": lambda: ops.tensor_stats.default(x),
+                 "multi_tensor_stats": lambda: ops.multi_tensor_stats.default([ok, x]),
+                 "record_": lambda: ops.record_.default(ring, state, [ok, x], 0, 0.0)}
+    else:
+        calls = {"tensor_stats": lambda: numguard.tensor_stats(x),
+                 "multi_tensor_stats": lambda: numguard.multi_tensor_stats([ok, x]),
+                 "record_": lambda: numguard.record_(ring, state, [ok, x], 0)}
+    return calls[entry]()
+
+
+def _hostile(case, device):
+    make, kind, what, cpu_only = HOSTILE[case]
+    if cpu_only and device != "cpu":
+        pytest.skip(f"{case} tensors exist only on the CPU")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # prototype/beta warnings of sparse, nested and quantized tensors
+        return make(device), kind, what
+
+
+def _hostile_error(case, entry, device, via="wrapper"):
+    x, kind, what = _hostile(case, device)
+    with pytest.raises(Exception) as caught:
+        _call_entry(entry, x, via)
+    return caught.value, kind, what
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_inputs_get_numguard_errors(backend, case, entry, device):
+    err, kind, what = _hostile_error(case, entry, device)
+    name = "x" if entry == "tensor_stats" else "xs[1]"
+    message = str(err)
+    assert type(err) is kind, f"{type(err).__name__}: {message}"
+    assert message.startswith(f"numguard: {name} "), message
+    assert what in message and any(hint in message for hint in ACCEPTED[kind]), message
+    assert "Could not run" not in message
+
+
+@requires_native
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("case", sorted(set(HOSTILE) - {"meta"}))  # a meta tensor goes to the fake kernel
+def test_hostile_errors_are_the_same_on_every_path(case, entry, device, monkeypatch):
+    """The dispatcher op, the wrappers on the native kernels and on the fallback: one message."""
+    ops_for("native", device)
+    errors = [_hostile_error(case, entry, device, via="dispatcher")[0], _hostile_error(case, entry, device)[0]]
+    monkeypatch.setattr(numguard.ops, "_native", None)
+    errors.append(_hostile_error(case, entry, device)[0])
+    assert len({(type(e), str(e)) for e in errors}) == 1, [f"{type(e).__name__}: {e}" for e in errors]
+
+
+@requires_native
+@pytest.mark.parametrize("case", ["nested", "nested_jagged"])
+def test_nested_rejected_under_inference_mode(case):
+    """Without autograd keys a nested tensor reaches other dispatch keys (NestedTensorCPU, or the
+    jagged subclass's own dispatch): still numguard's error."""
+    with torch.inference_mode():
+        for entry in ENTRY_POINTS:
+            err, kind, what = _hostile_error(case, entry, "cpu")
+            assert type(err) is kind and what in str(err), f"{type(err).__name__}: {err}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bools_count_any_nonzero_byte_as_true(backend, device):
+    ops = ops_for(backend, device)
+    n = 3 * K["kChunkBytes"] + 5  # several chunks, so threads and sub-blocks split it
+    big = odd_bools(n, offset=3)
+    cases = {"short": odd_bools(7), "one_byte_2": torch.tensor([2], dtype=torch.uint8).view(torch.bool),
+             "all_true_bytes": torch.tensor([2, 0x80, 0xFF], dtype=torch.uint8).view(torch.bool),
+             "all_zero": torch.zeros(9, dtype=torch.uint8).view(torch.bool), "big": big,
+             "strided": big[::3], "transposed": big[: 700 * 300].reshape(700, 300).t(),
+             "expanded": odd_bools(7)[2:3].expand(40, 5)}
+    xs = [x.to(device) for x in cases.values()]
+    for name, x in zip(cases, xs):
+        with no_host_sync(device):
+            got = ops.tensor_stats(x)
+        assert_records_equal(got, reference_stats(x), f"bools {name}")
+        assert got[ABS_MAX].item() <= 1.0
+    with no_host_sync(device):
+        got = ops.multi_tensor_stats(xs)
+    assert_records_equal(got, torch.stack([reference_stats(x) for x in xs]), "bools multi")
+    ring, state = numguard.ops.new_ring(len(xs), device)
+    _record(ops, ring, state, xs, 0, headroom=0.5)
+    assert_records_equal(ring, torch.stack([reference_stats(x) for x in xs]), "bools record_")
+    assert state.tolist() == list(numguard.schema.STATE_INITIAL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lazy_negative_views_are_exact(backend):
+    """Views whose values are negated lazily (neg bit; the imaginary part of a conjugate): the
+    signs, and so +Inf/-Inf, must come out as the values are, not as stored."""
+    ops = ops_for(backend)
+    z = torch.tensor([complex(1, INF), complex(2, -3), complex(0, float("nan")), complex(1, -0.0)])
+    xs = [torch._neg_view(torch.tensor([INF, -1.0, 2.0, -INF, 0.0])), z.conj().imag]
+    assert all(x.is_neg() for x in xs)
+    for x in xs:
+        assert_records_equal(ops.tensor_stats(x), reference_stats(x.resolve_neg()), "neg view")
+    assert_records_equal(ops.multi_tensor_stats(xs), torch.stack([reference_stats(x.resolve_neg()) for x in xs]),
+                         "neg views multi")

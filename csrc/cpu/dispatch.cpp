@@ -1,6 +1,10 @@
 // Runtime choice of the CPU kernels' instruction-set level (see reduce_kernels.h).
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cctype>
 #include <cstdlib>
-#include <cstring>
+#include <string>
 
 #include "reduce_kernels.h"
 
@@ -26,13 +30,27 @@ int supported_level() {
   return kBaseline;
 }
 
-// NUMGUARD_CPU_ISA caps the level; an unknown value is ignored (the best level is used).
+// NUMGUARD_CPU_ISA's values, indexed by the level they cap at (numguard.ops.CPU_ISA_CHOICES lists
+// the same, best first).
+constexpr const char* kLevelNames[] = {"baseline", "avx2", "avx512"};
+
+// NUMGUARD_CPU_ISA caps the level. Unset or empty: no cap. Like every NUMGUARD_* variable it is
+// read trimmed and in lower case, and a value it does not accept is an error, not ignored.
 int requested_cap() {
-  const char* value = std::getenv("NUMGUARD_CPU_ISA");
-  if (value == nullptr || value[0] == '\0') return kAvx512;
-  if (std::strcmp(value, "baseline") == 0) return kBaseline;
-  if (std::strcmp(value, "avx2") == 0) return kAvx2;
-  return kAvx512;
+  const char* raw = std::getenv("NUMGUARD_CPU_ISA");
+  std::string value = raw == nullptr ? "" : raw;
+  const auto not_space = [](unsigned char c) { return !std::isspace(c); };
+  value.erase(value.begin(), std::find_if(value.begin(), value.end(), not_space));
+  value.erase(std::find_if(value.rbegin(), value.rend(), not_space).base(), value.end());
+  std::transform(value.begin(), value.end(), value.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (value.empty()) return kAvx512;
+  std::string accepted;
+  for (int level = kAvx512; level >= kBaseline; --level) {
+    if (value == kLevelNames[level]) return level;
+    accepted += (level < kAvx512 ? ", " : "") + std::string(kLevelNames[level]);
+  }
+  TORCH_CHECK_VALUE(false, "NUMGUARD_CPU_ISA='", value, "' is not valid: use one of ", accepted);
+  return kAvx512;  // unreachable
 }
 
 const KernelTable& choose() {
@@ -47,6 +65,7 @@ const KernelTable& choose() {
 }  // namespace
 
 const KernelTable& active_kernels() {
+  // A throwing choose() leaves the static uninitialized: every later call raises the same error.
   static const KernelTable& table = choose();
   return table;
 }

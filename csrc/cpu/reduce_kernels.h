@@ -51,10 +51,11 @@ struct KernelTable {
   void (*int16)(const int16_t* p, int64_t n, IntStatsAccum& acc);
   void (*int32)(const int32_t* p, int64_t n, IntStatsAccum& acc);
   void (*int64)(const int64_t* p, int64_t n, IntStatsAccum& acc);
-  void (*uint8)(const uint8_t* p, int64_t n, IntStatsAccum& acc);  // also bool (bytes 0/1)
+  void (*uint8)(const uint8_t* p, int64_t n, IntStatsAccum& acc);
   void (*uint16)(const uint16_t* p, int64_t n, IntStatsAccum& acc);
   void (*uint32)(const uint32_t* p, int64_t n, IntStatsAccum& acc);
   void (*uint64)(const uint64_t* p, int64_t n, IntStatsAccum& acc);
+  void (*boolean)(const uint8_t* p, int64_t n, IntStatsAccum& acc);  // any non-zero byte is true (1)
 };
 
 const KernelTable& baseline_kernels();
@@ -62,7 +63,8 @@ const KernelTable& avx2_kernels();
 const KernelTable& avx512_kernels();
 
 // The table this process uses: the best level this CPU supports, chosen on first use.
-// NUMGUARD_CPU_ISA=baseline|avx2|avx512 caps the level (for testing and comparisons).
+// NUMGUARD_CPU_ISA=baseline|avx2|avx512 caps the level (for testing and comparisons); any other
+// non-empty value throws a ValueError naming the variable (numguard.ops.CPU_ISA_CHOICES).
 const KernelTable& active_kernels();
 
 // Names of the levels compiled into this build, best first.

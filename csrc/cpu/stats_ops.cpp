@@ -1,19 +1,22 @@
 // CPU implementations of numguard's ops: tensor_stats, multi_tensor_stats, record_.
 //
 // A tensor becomes a `Plan`: its element kind and how to walk its memory without a copy
-// (NOTE: [layouts]). The work of one call, over all its tensors, is a flat list of fixed-size
-// chunks; chunks run on at::parallel_for and each fills its own partial accumulator, and a
-// tensor's partials are merged in chunk order. Accumulators merge exactly (NOTE: [magnitude bits]
-// in numguard/stats_reduce.h), so records are identical for any thread count.
+// (NOTE: [layouts] in numguard/host_checks.h, which also holds the dtype table, the input rule and
+// its messages, and the ring/state checks shared with the CUDA ops). The work of one call, over
+// all its tensors, is a flat list of fixed-size chunks; chunks run on at::parallel_for and each
+// fills its own partial accumulator, and a tensor's partials are merged in chunk order.
+// Accumulators merge exactly (NOTE: [magnitude bits] in numguard/stats_reduce.h), so records are
+// identical for any thread count.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/SmallVector.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstring>
+#include <utility>
 #include <vector>
 
+#include "numguard/host_checks.h"
 #include "numguard/stats_reduce.h"
 #include "reduce_kernels.h"
 
@@ -21,78 +24,10 @@ namespace numguard {
 namespace cpu {
 namespace {
 
-enum class Kind : uint8_t { F64, F32, F16, BF16, F8E4M3FN, F8E5M2, I8, I16, I32, I64, U8, U16, U32, U64, Bool };
-
-struct DtypeInfo {
-  Kind kind;
-  int elem_size;
-  const FloatFormat* format;  // nullptr for integer and bool kinds
-};
-
-constexpr const char* kSupportedDtypes =
-    "float64, float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int8, int16, int32, int64, uint8, "
-    "uint16, uint32, uint64, bool";
-
-// Index-named argument, e.g. "xs[3]" (built only for error messages).
-std::string arg_name(const char* what, int64_t index) {
-  return index < 0 ? std::string(what) : std::string(what) + "[" + std::to_string(index) + "]";
-}
-
-DtypeInfo dtype_info(const at::Tensor& x, const char* what, int64_t index) {
-  switch (x.scalar_type()) {
-    case at::kDouble: return {Kind::F64, 8, &kFloat64Format};
-    case at::kFloat: return {Kind::F32, 4, &kFloat32Format};
-    case at::kHalf: return {Kind::F16, 2, &kFloat16Format};
-    case at::kBFloat16: return {Kind::BF16, 2, &kBFloat16Format};
-    case at::kFloat8_e4m3fn: return {Kind::F8E4M3FN, 1, &kFloat8E4M3FNFormat};
-    case at::kFloat8_e5m2: return {Kind::F8E5M2, 1, &kFloat8E5M2Format};
-    case at::kChar: return {Kind::I8, 1, nullptr};
-    case at::kShort: return {Kind::I16, 2, nullptr};
-    case at::kInt: return {Kind::I32, 4, nullptr};
-    case at::kLong: return {Kind::I64, 8, nullptr};
-    case at::kByte: return {Kind::U8, 1, nullptr};
-    case at::kUInt16: return {Kind::U16, 2, nullptr};
-    case at::kUInt32: return {Kind::U32, 4, nullptr};
-    case at::kUInt64: return {Kind::U64, 8, nullptr};
-    case at::kBool: return {Kind::Bool, 1, nullptr};
-    default: break;
-  }
-  const std::string name = arg_name(what, index);
-  TORCH_CHECK_TYPE(!x.is_complex(), "numguard: ", name, " has complex dtype ", x.scalar_type(),
-                   "; stats are defined for real tensors: pass torch.view_as_real(", name,
-                   ") to check its real and imaginary parts");
-  TORCH_CHECK_TYPE(false, "numguard: ", name, " has dtype ", x.scalar_type(),
-                   ", which numguard does not support; supported dtypes: ", kSupportedDtypes);
-  return {};  // unreachable
-}
-
-// TORCH_CHECK builds its message only when the check fails: no string work per tensor otherwise.
-void check_input(const at::Tensor& x, const char* what, int64_t index) {
-  TORCH_CHECK(x.defined(), "numguard: ", arg_name(what, index), " is an undefined tensor; pass a real tensor");
-  TORCH_CHECK(x.layout() == at::kStrided, "numguard: ", arg_name(what, index), " has layout ", x.layout(),
-              "; only dense (strided) tensors are supported: pass ", arg_name(what, index), ".to_dense()");
-  TORCH_CHECK(x.device().is_cpu(), "numguard: ", arg_name(what, index), " is on ", x.device(),
-              " but this is the CPU kernel; all tensors of one call must be on one device");
-}
-
-// Mixed devices in one call: name the first tensor that differs from xs[0].
-void check_same_device(at::TensorList xs, const char* what) {
-  for (size_t i = 0; i < xs.size(); ++i) {
-    TORCH_CHECK(xs[i].defined(), "numguard: ", arg_name(what, i), " is an undefined tensor");
-    TORCH_CHECK(xs[i].device() == xs[0].device(), "numguard: ", arg_name(what, i), " is on ", xs[i].device(),
-                " but ", arg_name(what, 0), " is on ", xs[0].device(),
-                "; all tensors of one call must be on one device: split the call per device");
-  }
-}
-
-// NOTE: [layouts]
-// Dims of size 1 are dropped; dims of stride 0 (expanded) are dropped too and their sizes
-// multiply the counts at finalize (`repeat`), since they only repeat the same values. The rest
-// are ordered by stride, outermost first, and adjacent dims that address memory as one are
-// merged. A non-overlapping and dense tensor (contiguous, transposed, channels_last, any
-// permutation) collapses to one dim of stride 1: its storage span is reduced directly. Anything
-// else is walked as runs of its innermost dim: long unit-stride runs are reduced in place, short
-// or strided runs are gathered into a small local buffer first. No layout needs a full copy.
+// A tensor as the CPU kernels walk it (NOTE: [layouts] in numguard/host_checks.h): a dense span
+// base[0, numel) when `sizes` is empty, else runs of its innermost merged dim; long unit-stride
+// runs are reduced in place, short or strided runs are gathered into a small local buffer first.
+// No layout needs a full copy.
 struct Plan {
   const char* base = nullptr;
   int64_t numel = 0;   // elements visited (stride-0 dims excluded)
@@ -108,42 +43,14 @@ Plan make_plan(const at::Tensor& x, const DtypeInfo& info) {
   Plan plan;
   plan.info = info;
   plan.chunk_elems = kChunkBytes / info.elem_size;
-  if (x.numel() == 0) return plan;  // numel 0, no chunks: the empty record
+  StrideLayout layout = analyze_strides(x);
+  if (layout.numel == 0) return plan;  // numel 0, no chunks: the empty record
   plan.base = static_cast<const char*>(x.const_data_ptr());
-  c10::SmallVector<std::pair<int64_t, int64_t>, 6> dims;  // (stride, size)
-  for (int64_t d = 0; d < x.dim(); ++d) {
-    const int64_t size = x.size(d);
-    const int64_t stride = x.stride(d);
-    if (size == 1) continue;
-    if (stride == 0) {
-      plan.repeat *= size;
-      continue;
-    }
-    dims.emplace_back(stride, size);
-  }
-  // Outermost (largest stride) first. PyTorch strides are never negative.
-  std::stable_sort(dims.begin(), dims.end(),
-                   [](const std::pair<int64_t, int64_t>& a, const std::pair<int64_t, int64_t>& b) {
-                     return a.first > b.first;
-                   });
-  int64_t numel = 1;
-  for (const auto& d : dims) {
-    if (!plan.sizes.empty() && plan.strides.back() == d.first * d.second) {
-      // The previous (outer) dim steps exactly over this one: merge them.
-      plan.sizes.back() *= d.second;
-      plan.strides.back() = d.first;
-    } else {
-      plan.sizes.push_back(d.second);
-      plan.strides.push_back(d.first);
-    }
-    numel *= d.second;
-  }
-  plan.numel = numel;
-  if (plan.sizes.empty() || (plan.sizes.size() == 1 && plan.strides[0] == 1)) {
-    plan.sizes.clear();
-    plan.strides.clear();
-  }
-  plan.num_chunks = (numel + plan.chunk_elems - 1) / plan.chunk_elems;
+  plan.numel = layout.numel;
+  plan.repeat = layout.repeat;
+  plan.sizes = std::move(layout.sizes);
+  plan.strides = std::move(layout.strides);
+  plan.num_chunks = (plan.numel + plan.chunk_elems - 1) / plan.chunk_elems;
   return plan;
 }
 
@@ -156,24 +63,24 @@ struct Partial {
   }
 };
 
-void reduce_contiguous(const KernelTable& k, Kind kind, const FloatFormat* fmt, const void* p, int64_t n,
+void reduce_contiguous(const KernelTable& k, ElementKind kind, const FloatFormat* fmt, const void* p, int64_t n,
                        Partial& acc) {
   switch (kind) {
-    case Kind::F64: k.float64(static_cast<const uint64_t*>(p), n, *fmt, acc.f); break;
-    case Kind::F32: k.float32(static_cast<const uint32_t*>(p), n, *fmt, acc.f); break;
-    case Kind::F16:
-    case Kind::BF16: k.float16(static_cast<const uint16_t*>(p), n, *fmt, acc.f); break;
-    case Kind::F8E4M3FN:
-    case Kind::F8E5M2: k.float8(static_cast<const uint8_t*>(p), n, *fmt, acc.f); break;
-    case Kind::I8: k.int8(static_cast<const int8_t*>(p), n, acc.i); break;
-    case Kind::I16: k.int16(static_cast<const int16_t*>(p), n, acc.i); break;
-    case Kind::I32: k.int32(static_cast<const int32_t*>(p), n, acc.i); break;
-    case Kind::I64: k.int64(static_cast<const int64_t*>(p), n, acc.i); break;
-    case Kind::U8:
-    case Kind::Bool: k.uint8(static_cast<const uint8_t*>(p), n, acc.i); break;
-    case Kind::U16: k.uint16(static_cast<const uint16_t*>(p), n, acc.i); break;
-    case Kind::U32: k.uint32(static_cast<const uint32_t*>(p), n, acc.i); break;
-    case Kind::U64: k.uint64(static_cast<const uint64_t*>(p), n, acc.i); break;
+    case ElementKind::kFloat64: k.float64(static_cast<const uint64_t*>(p), n, *fmt, acc.f); break;
+    case ElementKind::kFloat32: k.float32(static_cast<const uint32_t*>(p), n, *fmt, acc.f); break;
+    case ElementKind::kFloat16:
+    case ElementKind::kBFloat16: k.float16(static_cast<const uint16_t*>(p), n, *fmt, acc.f); break;
+    case ElementKind::kFloat8E4M3FN:
+    case ElementKind::kFloat8E5M2: k.float8(static_cast<const uint8_t*>(p), n, *fmt, acc.f); break;
+    case ElementKind::kInt8: k.int8(static_cast<const int8_t*>(p), n, acc.i); break;
+    case ElementKind::kInt16: k.int16(static_cast<const int16_t*>(p), n, acc.i); break;
+    case ElementKind::kInt32: k.int32(static_cast<const int32_t*>(p), n, acc.i); break;
+    case ElementKind::kInt64: k.int64(static_cast<const int64_t*>(p), n, acc.i); break;
+    case ElementKind::kUInt8: k.uint8(static_cast<const uint8_t*>(p), n, acc.i); break;
+    case ElementKind::kUInt16: k.uint16(static_cast<const uint16_t*>(p), n, acc.i); break;
+    case ElementKind::kUInt32: k.uint32(static_cast<const uint32_t*>(p), n, acc.i); break;
+    case ElementKind::kUInt64: k.uint64(static_cast<const uint64_t*>(p), n, acc.i); break;
+    case ElementKind::kBool: k.boolean(static_cast<const uint8_t*>(p), n, acc.i); break;
   }
 }
 
@@ -298,17 +205,13 @@ std::vector<Plan> make_plans(at::TensorList xs, const char* what) {
   check_same_device(xs, what);
   std::vector<Plan> plans;
   plans.reserve(xs.size());
-  for (size_t i = 0; i < xs.size(); ++i) {
-    check_input(xs[i], what, static_cast<int64_t>(i));
-    plans.push_back(make_plan(xs[i], dtype_info(xs[i], what, static_cast<int64_t>(i))));
-  }
+  for (size_t i = 0; i < xs.size(); ++i) plans.push_back(make_plan(xs[i], check_input(xs[i], what, i)));
   return plans;
 }
 
 at::Tensor tensor_stats_cpu(const at::Tensor& x) {
-  check_input(x, "x", -1);
   std::vector<Plan> plans;
-  plans.push_back(make_plan(x, dtype_info(x, "x", -1)));
+  plans.push_back(make_plan(x, check_input(x, "x", -1)));
   at::Tensor out = at::empty({kNumStats}, x.options().dtype(at::kDouble));
   compute_records(plans, out.mutable_data_ptr<double>());
   return out;
@@ -321,36 +224,10 @@ at::Tensor multi_tensor_stats_cpu(at::TensorList xs) {
   return out;
 }
 
-// finfo.max of the low-precision formats whose headroom record_ checks; 0 for the others.
-double headroom_limit(const DtypeInfo& info) {
-  switch (info.kind) {
-    case Kind::F16:
-    case Kind::BF16:
-    case Kind::F8E4M3FN:
-    case Kind::F8E5M2: return decode_magnitude(info.format->finite_limit - 1, *info.format);
-    default: return 0.0;
-  }
-}
-
 void record_cpu(const at::Tensor& ring, const at::Tensor& state, at::TensorList xs, int64_t position,
                 double headroom) {
-  TORCH_CHECK(ring.defined() && ring.device().is_cpu() && ring.layout() == at::kStrided,
-              "numguard: ring must be a dense CPU tensor here, got ",
-              ring.defined() ? c10::str(ring.device(), " ", ring.layout()) : std::string("undefined"));
-  TORCH_CHECK(ring.scalar_type() == at::kDouble && ring.dim() == 2 && ring.size(0) >= 1 && ring.size(1) == kNumStats,
-              "numguard: ring must be float64[R, ", kNumStats, "] with R >= 1 (see numguard.ops.new_ring), got ",
-              ring.scalar_type(), ring.sizes());
-  TORCH_CHECK(state.defined() && state.device().is_cpu() && state.layout() == at::kStrided,
-              "numguard: state must be a dense tensor on the ring's device (cpu)",
-              state.defined() ? c10::str(", got ", state.device()) : std::string());
-  TORCH_CHECK(state.scalar_type() == at::kLong && state.dim() == 1 && state.size(0) == kStateSize,
-              "numguard: state must be int64[", kStateSize, "] (see numguard.ops.new_ring), got ", state.scalar_type(),
-              state.sizes());
-  for (size_t i = 0; i < xs.size(); ++i) {
-    TORCH_CHECK(xs[i].defined() && xs[i].device() == ring.device(), "numguard: xs[", i, "] is on ",
-                xs[i].defined() ? c10::str(xs[i].device()) : std::string("(undefined)"), " but the ring is on ",
-                ring.device(), "; record tensors on the ring's device");
-  }
+  check_ring_and_state(ring, state, at::kCPU, /*contiguous=*/false);
+  check_on_ring_device(xs, ring);
   if (xs.empty()) return;
   const std::vector<Plan> plans = make_plans(xs, "xs");
   auto state_acc = state.accessor<int64_t, 1>();
@@ -359,7 +236,7 @@ void record_cpu(const at::Tensor& ring, const at::Tensor& state, at::TensorList 
   std::vector<double> records(n * kNumStats);
   std::vector<double> max_values(n);
   compute_records(plans, records.data());
-  for (int64_t i = 0; i < n; ++i) max_values[i] = headroom_limit(plans[i].info);
+  for (int64_t i = 0; i < n; ++i) max_values[i] = headroom_limit(plans[i].info.kind);
   int64_t st[kStateSize];
   for (int j = 0; j < kStateSize; ++j) st[j] = state_acc[j];
   const bool write = update_recording_state(st, records.data(), max_values.data(), n, position, headroom);

@@ -32,21 +32,6 @@ __device__ __forceinline__ FloatFormat format_of(ElementKind kind) {
   }
 }
 
-__device__ __forceinline__ bool is_float_kind(ElementKind kind) {
-  return static_cast<int>(kind) <= static_cast<int>(ElementKind::kFloat8E5M2);
-}
-
-// finfo.max of the dtypes whose headroom record_ checks; 0 for the others.
-__device__ __forceinline__ double headroom_max_of(ElementKind kind) {
-  switch (kind) {
-    case ElementKind::kFloat16: return 65504.0;
-    case ElementKind::kBFloat16: return 3.3895313892515355e38;
-    case ElementKind::kFloat8E4M3FN: return 448.0;
-    case ElementKind::kFloat8E5M2: return 57344.0;
-    default: return 0.0;
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Block reduction of the accumulators (integer merges only: any order gives the same result).
 
@@ -174,7 +159,7 @@ __global__ void __launch_bounds__(kFinalizeThreads)
     acc = block_reduce<kFinalizeThreads>(acc);
     if (threadIdx.x == 0) acc.finalize(table.repeat[t], out);
   }
-  if (threadIdx.x == 0 && max_values != nullptr) max_values[table.first_record + t] = headroom_max_of(kind);
+  if (threadIdx.x == 0 && max_values != nullptr) max_values[table.first_record + t] = headroom_limit(kind);
 }
 
 // One block: thread 0 walks the frame's records in order (update_recording_state), then the

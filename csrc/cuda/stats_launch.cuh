@@ -6,27 +6,12 @@
 
 #include <cuda_runtime_api.h>
 
+#include "numguard/stats_reduce.h"
+
 namespace numguard {
 namespace cuda {
 
-// Element types the kernels read; one per supported torch dtype.
-enum class ElementKind : uint8_t {
-  kFloat64,
-  kFloat32,
-  kFloat16,
-  kBFloat16,
-  kFloat8E4M3FN,
-  kFloat8E5M2,
-  kInt8,
-  kUInt8,
-  kInt16,
-  kUInt16,
-  kInt32,
-  kUInt32,
-  kInt64,
-  kUInt64,
-  kBool,
-};
+// Element kinds: numguard::ElementKind (numguard/stats_reduce.h), shared with the CPU ops.
 
 constexpr int kStatsThreads = 256;     // threads per block of the stats kernel
 constexpr int kFinalizeThreads = 128;  // threads per block of the cleanup kernel

@@ -33,6 +33,8 @@ enum StatField : int {
   kSubnormal = 7,
 };
 constexpr int kNumStats = 8;
+constexpr const char* kStatFieldNames[kNumStats] = {"abs_min", "abs_max", "min_nonzero", "nan",
+                                                    "pos_inf", "neg_inf", "zero",    "subnormal"};
 
 // Layout of the recording state tensor (int64[kStateSize]) next to a ring.
 enum StateField : int {
@@ -42,6 +44,44 @@ enum StateField : int {
   kFirstHeadroomPosition = 3,
 };
 constexpr int kStateSize = 4;
+// numguard.schema.STATE_FIELDS; the extension reports these names and numguard.ops compares them.
+constexpr const char* kStateFieldNames[kStateSize] = {"tripped", "first_trip_position", "headroom_hit",
+                                                      "first_headroom_position"};
+
+// Element types the kernels read; one per recordable torch dtype (numguard.schema.RECORDABLE_DTYPES
+// order). Floating kinds come first (is_float_kind).
+enum class ElementKind : uint8_t {
+  kFloat64,
+  kFloat32,
+  kFloat16,
+  kBFloat16,
+  kFloat8E4M3FN,
+  kFloat8E5M2,
+  kInt8,
+  kInt16,
+  kInt32,
+  kInt64,
+  kUInt8,
+  kUInt16,
+  kUInt32,
+  kUInt64,
+  kBool,
+};
+
+NUMGUARD_HD constexpr bool is_float_kind(ElementKind kind) {
+  return static_cast<int>(kind) <= static_cast<int>(ElementKind::kFloat8E5M2);
+}
+
+// finfo.max of the low-precision dtypes whose headroom record_ checks; 0 for the others. The
+// extension reports these with its dtype table and numguard.ops compares them with
+// numguard.schema at load, so a wrong constant here disables the native kernels, loudly.
+NUMGUARD_HD constexpr double headroom_limit(ElementKind kind) {
+  return kind == ElementKind::kFloat16         ? 65504.0
+         : kind == ElementKind::kBFloat16      ? 3.3895313892515355e38
+         : kind == ElementKind::kFloat8E4M3FN ? 448.0
+         : kind == ElementKind::kFloat8E5M2   ? 57344.0
+                                               : 0.0;
+}
 
 // Bit-level description of a floating format (see NOTE: [magnitude bits]).
 struct FloatFormat {
@@ -197,6 +237,20 @@ struct IntStatsAccum {
     } else {
       min_nonzero = mag < min_nonzero ? mag : min_nonzero;
     }
+  }
+
+  // n bools of which `zeros` are false. A bool is 0 or 1 whatever non-zero byte stores it, so
+  // bools are counted, never read as magnitudes.
+  NUMGUARD_HD void add_bools(int64_t n, int64_t zeros) {
+    if (n <= 0) return;
+    const uint64_t least = zeros > 0 ? 0 : 1;
+    min_abs = least < min_abs ? least : min_abs;
+    if (n > zeros) {
+      max_abs = max_abs > 1 ? max_abs : 1;
+      min_nonzero = 1 < min_nonzero ? 1 : min_nonzero;
+    }
+    count += n;
+    zero += zeros;
   }
 
   NUMGUARD_HD void merge(const IntStatsAccum& o) {

@@ -1,0 +1,83 @@
+"""numguard's data layout, in one place and without torch: the stats record, the recording state
+next to a ring, the dtypes the kernels record, and the kinds of report lines.
+
+The native extension states the same layout (csrc/include/numguard/stats_reduce.h and
+host_checks.h) and reports it through numguard._C; numguard.ops compares the two when it loads the
+extension and falls back to the pure-PyTorch implementation when they disagree. Everything here is
+plain Python so that report rendering, dump files and tools can read records without importing
+torch.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Union
+
+# ---------------------------------------------------------------------------------------------
+# Stats record: float64[NUM_STATS], fields in this order.
+
+STAT_FIELDS = ("abs_min", "abs_max", "min_nonzero", "nan", "pos_inf", "neg_inf", "zero", "subnormal")
+ABS_MIN, ABS_MAX, MIN_NONZERO, NAN, POS_INF, NEG_INF, ZERO, SUBNORMAL = range(len(STAT_FIELDS))
+NUM_STATS = len(STAT_FIELDS)
+
+# ---------------------------------------------------------------------------------------------
+# Recording state: int64[STATE_SIZE] next to a ring (numguard.ops.new_ring, record_).
+
+STATE_FIELDS = ("tripped", "first_trip_position", "headroom_hit", "first_headroom_position")
+TRIPPED, FIRST_TRIP_POSITION, HEADROOM_HIT, FIRST_HEADROOM_POSITION = range(len(STATE_FIELDS))
+STATE_SIZE = len(STATE_FIELDS)
+# An untripped state: flags 0, positions -1 ("none yet").
+STATE_INITIAL = (0, -1, 0, -1)
+
+# ---------------------------------------------------------------------------------------------
+# Dtypes, keyed by torch's name without the "torch." prefix (str(dtype)[6:]).
+
+
+class DtypeInfo(NamedTuple):
+    name: str
+    max: Optional[Union[float, int]]  # largest finite value (finfo.max / iinfo.max); None if not a real number type
+    tiny: Optional[float]             # smallest positive normal (finfo.tiny); None for integers and bool
+    recordable: bool                  # the kernels compute records for it (both backends)
+    low_precision: bool               # record_ checks its headroom (abs max against `max`)
+
+
+def _float(name, max_, tiny, recordable=True, low_precision=False):
+    return DtypeInfo(name, max_, tiny, recordable, low_precision)
+
+
+def _int(name, bits, signed):
+    return DtypeInfo(name, (1 << (bits - 1)) - 1 if signed else (1 << bits) - 1, None, True, False)
+
+
+def _rejected(name, max_=None, tiny=None):
+    return DtypeInfo(name, max_, tiny, False, False)
+
+
+DTYPES = {info.name: info for info in (
+    _float("float64", 1.7976931348623157e308, 2.2250738585072014e-308),
+    _float("float32", 3.4028234663852886e38, 1.1754943508222875e-38),
+    _float("float16", 65504.0, 6.103515625e-05, low_precision=True),
+    _float("bfloat16", 3.3895313892515355e38, 1.1754943508222875e-38, low_precision=True),
+    _float("float8_e4m3fn", 448.0, 0.015625, low_precision=True),
+    _float("float8_e5m2", 57344.0, 6.103515625e-05, low_precision=True),
+    _int("int8", 8, True), _int("int16", 16, True), _int("int32", 32, True), _int("int64", 64, True),
+    _int("uint8", 8, False), _int("uint16", 16, False), _int("uint32", 32, False), _int("uint64", 64, False),
+    DtypeInfo("bool", 1, None, True, False),
+    # Known, not recorded: formats whose zero, NaN and infinity encodings differ from the IEEE-like
+    # ones the kernels decode (fnuz: one NaN at -0, no infinities; e8m0: exponent only, no zero).
+    _rejected("float8_e4m3fnuz", 240.0, 0.0078125),
+    _rejected("float8_e5m2fnuz", 57344.0, 3.0517578125e-05),
+    _rejected("float8_e8m0fnu", 1.7014118346046923e38, 5.877471754111438e-39),
+    _rejected("float4_e2m1fn_x2"),
+    _rejected("complex32"), _rejected("complex64"), _rejected("complex128"),
+)}
+
+# Recordable dtype names in the kernels' order (the list error messages show).
+RECORDABLE_DTYPES = tuple(name for name, info in DTYPES.items() if info.recordable)
+LOW_PRECISION_DTYPES = tuple(name for name, info in DTYPES.items() if info.low_precision)
+
+# ---------------------------------------------------------------------------------------------
+# Report lines: what a labelled value of a frame was (numguard.report renders each kind).
+
+KIND_TENSOR = "tensor"
+KIND_NONE = "none"
+KIND_NOT_A_TENSOR = "not a tensor"
+LINE_KINDS = (KIND_TENSOR, KIND_NONE, KIND_NOT_A_TENSOR)  # indexed by the inspector's line codes 0, 1, 2
