@@ -13,7 +13,6 @@ Prints a table and writes benchmarks/results/bench_hooks.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -23,11 +22,10 @@ import time
 import warnings
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import numguard  # noqa: E402
+from numguard.testing import SyncCounter  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -124,33 +122,6 @@ def conditions(training):
 
 # -- sync counting -----------------------------------------------------------------------------
 
-class SyncCounter:
-    FUNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
-             torch.Tensor.__int__, torch.Tensor.cpu, torch.Tensor.numpy}
-
-    def __init__(self):
-        self.count = 0
-
-    @contextlib.contextmanager
-    def active(self):
-        counter = self
-
-        class _D(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func is torch.ops.aten._local_scalar_dense.default:
-                    counter.count += 1
-                return func(*args, **(kwargs or {}))
-
-        class _F(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                if func in SyncCounter.FUNCS:
-                    counter.count += 1
-                return func(*args, **(kwargs or {}))
-
-        with _F(), _D():
-            yield
-
-
 # -- measurement -------------------------------------------------------------------------------
 
 def make_step(model, run, training, optimizer):
@@ -198,10 +169,10 @@ def bench_model(name, reps, steps, sync_steps):
                 step()
                 step()
                 counter = SyncCounter()
-                with counter.active():
+                with counter():
                     for _ in range(sync_steps):
                         step()
-                syncs[cname] = counter.count / sync_steps
+                syncs[cname] = counter.total / sync_steps
             finally:
                 handle.close()
         base = statistics.median(times["no hooks"])

@@ -355,15 +355,6 @@ def _choice(*choices):
     return parse
 
 
-def _exact(*choices):
-    def parse(text):
-        if text not in choices:
-            raise _Invalid()
-        return text
-
-    return parse
-
-
 def _batches(text):
     try:
         return BatchSet.parse(text)
@@ -434,8 +425,8 @@ VARIABLES = (
     Variable("NUMGUARD_CPU_ISA",
              "highest instruction set the CPU kernels use: `avx512`, `avx2` or `baseline` "
              "(default: the best the CPU has)",
-             "avx512, avx2 or baseline, exactly (lower case, no blanks: the C++ kernels compare the "
-             "raw text)", _exact(*CPU_ISA_CHOICES), None, strip=False),
+             "avx512, avx2 or baseline (any case; the C++ kernels read it the same way)",
+             _choice(*CPU_ISA_CHOICES), None),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
 

@@ -12,32 +12,19 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import warnings
 from typing import Sequence
 
 import torch
 
-from . import _torch_ops, schema
+from . import _torch_ops, env, schema
 from .schema import NUM_STATS, STAT_FIELDS, STATE_INITIAL, STATE_SIZE
 
 # NUMGUARD_CPU_ISA caps the CPU kernels' instruction-set level; unset or empty: the best this CPU
-# supports. csrc/cpu/dispatch.cpp accepts the same values.
-CPU_ISA_CHOICES = ("avx512", "avx2", "baseline")
-_BACKEND_CHOICES = ("auto", "native", "torch")
+# supports. numguard.env parses it (and NUMGUARD_BACKEND); csrc/cpu/dispatch.cpp accepts the same.
+CPU_ISA_CHOICES = env.CPU_ISA_CHOICES
 _REBUILD = ("rebuild numguard's extension with `pip install --no-build-isolation -e .` "
             "(or `python setup.py build_ext --inplace`) in its source folder")
-
-
-def _env_choice(name: str, choices: Sequence[str], default: str | None) -> str | None:
-    """The value of NUMGUARD_* variable `name` (trimmed, lower case) if it is one of `choices`,
-    `default` when unset or empty; anything else is an error naming the variable and the choices."""
-    value = os.environ.get(name, "").strip().lower()
-    if not value:
-        return default
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not valid: use one of {', '.join(choices)}")
-    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,8 +83,8 @@ def _build_info_mismatch() -> str | None:
 
 def _load_native():
     """Return (module, None) when the extension serves the ops, else (None, reason)."""
-    choice = _env_choice("NUMGUARD_BACKEND", _BACKEND_CHOICES, "auto")
-    _env_choice("NUMGUARD_CPU_ISA", CPU_ISA_CHOICES, None)  # a bad value fails on every backend
+    choice = env.backend_choice()
+    env.cpu_isa_choice()  # a bad value fails on every backend
     if choice == "torch":
         return None, "NUMGUARD_BACKEND=torch"
     native, reason = None, _build_info_mismatch()

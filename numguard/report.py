@@ -26,20 +26,12 @@ import math
 PREFIX = " " * 17
 TABLE_HEADER = f"{'abs min':8} {'abs max':8} metadata"
 
-# Positions in a stats record (numguard.STAT_FIELDS).
-ABS_MIN, ABS_MAX, MIN_NONZERO, NAN, POS_INF, NEG_INF, ZERO, SUBNORMAL = range(8)
+# Record positions, line kinds and dtype limits: numguard.schema (the one copy).
+from .schema import ABS_MAX, ABS_MIN, KIND_NONE, KIND_NOT_A_TENSOR, KIND_TENSOR, MIN_NONZERO, NAN, NEG_INF  # noqa: E402,F401
+from .schema import DTYPES as _DTYPES, POS_INF, SUBNORMAL, ZERO  # noqa: E402,F401
 
-KIND_TENSOR = "tensor"
-KIND_NONE = "none"
-KIND_NOT_A_TENSOR = "not a tensor"
-
-# Largest finite value of the dtypes whose headroom numguard reports.
-DTYPE_MAX = {
-    "torch.float16": 65504.0,
-    "torch.bfloat16": 3.3895313892515355e38,
-    "torch.float8_e4m3fn": 448.0,
-    "torch.float8_e5m2": 57344.0,
-}
+# Largest finite value of the dtypes whose headroom numguard reports, keyed as dumps spell dtypes.
+DTYPE_MAX = {f"torch.{name}": float(info.max) for name, info in _DTYPES.items() if info.low_precision}
 
 
 def shown_abs_min_max(record) -> tuple[float, float]:

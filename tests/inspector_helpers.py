@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
-import sys
 import warnings
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import numguard
+from numguard.testing import SyncCounter  # noqa: F401  (one sync counter for tests and benchmarks)
 
-NUMGUARD_DIR = os.path.dirname(os.path.abspath(numguard.__file__))
 
 transformers = pytest.importorskip("transformers")
 
@@ -120,58 +116,6 @@ def hf_vs_numguard(model, batches, numguard_kwargs=None, hf_kwargs=None):
     ng_out, ng_err, insp = run_batches(model, lambda m: numguard.watch(m, **kw), batches)
     insp.close(check=False)
     return hf_out, hf_err, ng_out, ng_err
-
-
-class SyncCounter:
-    """Counts host syncs: aten._local_scalar_dense (dispatch mode) and Tensor.item / tolist /
-    __bool__ / __float__ / __int__ / cpu / numpy (function mode). Each event is attributed to
-    numguard (a numguard frame on the stack) and, within numguard, to a hook or to a batch end."""
-
-    FUNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
-             torch.Tensor.__int__, torch.Tensor.cpu, torch.Tensor.numpy}
-    BATCH_END = {"_end_batch", "check", "close", "_check_now_sync", "_check_async"}
-
-    def __init__(self):
-        self.total = 0
-        self.numguard = 0
-        self.in_hooks = 0
-        self.where = []
-
-    def event(self, what):
-        self.total += 1
-        frame = sys._getframe(2)
-        ours = False
-        batch_end = False
-        while frame is not None:
-            if frame.f_code.co_filename.startswith(NUMGUARD_DIR):
-                ours = True
-                if frame.f_code.co_name in self.BATCH_END:
-                    batch_end = True
-            frame = frame.f_back
-        if ours:
-            self.numguard += 1
-            if not batch_end:
-                self.in_hooks += 1
-            self.where.append(what)
-
-    @contextlib.contextmanager
-    def __call__(self):
-        counter = self
-
-        class _Dispatch(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func is torch.ops.aten._local_scalar_dense.default:
-                    counter.event("_local_scalar_dense")
-                return func(*args, **(kwargs or {}))
-
-        class _Function(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                if func in SyncCounter.FUNCS:
-                    counter.event(getattr(func, "__name__", str(func)))
-                return func(*args, **(kwargs or {}))
-
-        with _Function(), _Dispatch():
-            yield self
 
 
 def train_steps(model, steps, ids, optimizer=None):

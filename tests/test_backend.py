@@ -54,7 +54,7 @@ def test_failed_extension_load_warns_once_and_falls_back():
 def test_invalid_backend_setting_names_the_variable():
     out = run_python("import numguard", NUMGUARD_BACKEND="cuda")
     assert out.returncode != 0
-    assert "NUMGUARD_BACKEND='cuda'" in out.stderr and "auto, native, torch" in out.stderr
+    assert "NUMGUARD_BACKEND='cuda'" in out.stderr and "auto, native or torch" in out.stderr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,7 +224,7 @@ def test_cpu_isa_choices_cover_the_built_levels():
 def test_bad_cpu_isa_fails_at_import(backend):
     out = run_python("import numguard", NUMGUARD_CPU_ISA="avx9", NUMGUARD_BACKEND=backend)
     assert out.returncode != 0
-    assert "ValueError: NUMGUARD_CPU_ISA='avx9' is not valid: use one of avx512, avx2, baseline" in out.stderr
+    assert "NUMGUARD_CPU_ISA='avx9' is not valid: accepted values are avx512, avx2 or baseline" in out.stderr
 
 
 NATIVE_ISA_CHECK = r"""

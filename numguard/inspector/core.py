@@ -152,6 +152,15 @@ class Inspector(ModuleHooks):
         """The last trip's report dictionary (numguard.dump's schema), or None."""
         return self._reporter.last_report
 
+    # watch()'s options, read-only under the names they always had (report_to is settable).
+    on_trip = property(lambda self: self.options.on_trip)
+    check_mode = property(lambda self: self.options.check)
+    backward = property(lambda self: self.options.backward)
+    headroom = property(lambda self: self.options.headroom)
+    dump_dir = property(lambda self: self.options.dump_dir)
+    extras = property(lambda self: self.options.extras)
+    scaler_skips = property(lambda self: self.options.scaler_skips)
+
     @property
     def report_to(self):
         """Where reports and traces are printed (settable, checked like the watch() option)."""

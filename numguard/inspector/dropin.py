@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from .. import ops
+from .. import ops, schema
 from .. import report as _report
 from ..errors import InspectorWarning
 from . import core
@@ -123,10 +123,10 @@ def detect_overflow(var, ctx) -> bool:
                           InspectorWarning, stacklevel=2)
     stats = ops.tensor_stats(var).tolist()
     detected = False
-    if stats[_report.NAN] > 0:
+    if stats[schema.NAN] > 0:
         detected = True
         print(f"{ctx} has nans")
-    if stats[_report.POS_INF] + stats[_report.NEG_INF] > 0:
+    if stats[schema.POS_INF] + stats[schema.NEG_INF] > 0:
         detected = True
         print(f"{ctx} has infs")
     return detected

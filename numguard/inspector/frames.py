@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-# Line kinds; bit 4 marks a line Transformers does not print.
+# Line kinds, indexes into numguard.schema.LINE_KINDS; bit 4 marks a line Transformers does not print.
 TENSOR, NONE, NOT_A_TENSOR = 0, 1, 2
 EXTRA = 4
 

@@ -10,20 +10,18 @@ import weakref
 
 import torch
 
-from .. import ops
+from .. import ops, schema
 from .frames import Frame
 
 MAX_RECORDS = 1 << 18   # records (16 MiB of float64[8]); older frames drop out beyond this
 _SEEN_LIMIT = 512       # tensors remembered for reuse within a batch
-_RECORDABLE = frozenset([torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
-                         torch.float8_e5m2, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-                         torch.bool])
+_RECORDABLE = frozenset(getattr(torch, name) for name in schema.RECORDABLE_DTYPES if hasattr(torch, name))
 _STRIDED = torch.strided
 
-# The state buffer: the op's recording state (tripped, first trip position, headroom hit, first
-# headroom position), then the weight table's headroom flag; read in one device->host copy.
-STATE_WORDS = 8
-WEIGHT_HEADROOM = 4
+# The state buffer: the op's recording state (numguard.schema.STATE_FIELDS), then the weight
+# table's headroom flag; read in one device->host copy.
+WEIGHT_HEADROOM = schema.STATE_SIZE
+_STATE_BUFFER = schema.STATE_INITIAL + (0, 0, 0, 0)
 
 
 def outside_inference_mode(method):
@@ -65,8 +63,8 @@ class FrameRing:
         self.device_index = device_index(device)
         self.ring, _ = ops.new_ring(size, device)
         self.size = size
-        self.state_buf = torch.tensor([0, -1, 0, -1, 0, 0, 0, 0], dtype=torch.int64, device=device)
-        self.state = self.state_buf[0:4]
+        self.state_buf = torch.tensor(_STATE_BUFFER, dtype=torch.int64, device=device)
+        self.state = self.state_buf[0:schema.STATE_SIZE]
 
     def move_to(self, device):
         """Start over on another device (the model moved after watch())."""
@@ -258,6 +256,6 @@ class FrameRing:
     @outside_inference_mode
     def clear_headroom(self):
         """Re-arm the headroom flags after they were handled."""
-        self.state[2].fill_(0)
-        self.state[3].fill_(-1)
+        self.state[schema.HEADROOM_HIT].fill_(0)
+        self.state[schema.FIRST_HEADROOM_POSITION].fill_(-1)
         self.state_buf[WEIGHT_HEADROOM].fill_(0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import warnings
 
-from .. import ops
+from .. import ops, schema
 from .. import report as _report
 from ..errors import HeadroomWarning, InspectorWarning, NonFiniteError, NonFiniteWarning
 from . import checks
@@ -13,7 +13,7 @@ from .frames import EXTRA, TENSOR
 from .options import STDOUT
 from .weights import LOW_PRECISION_MAX
 
-_KIND_NAMES = {0: _report.KIND_TENSOR, 1: _report.KIND_NONE, 2: _report.KIND_NOT_A_TENSOR}
+_KIND_NAMES = schema.LINE_KINDS  # indexed by frames.TENSOR, NONE, NOT_A_TENSOR
 
 
 class Reporter:
@@ -39,7 +39,7 @@ class Reporter:
             table = tables.get(f.batch)
             for name, w in zip(owner.wnames, owner.widx):
                 labels.append(name)
-                kinds.append(_report.KIND_TENSOR)
+                kinds.append(schema.KIND_TENSOR)
                 extra.append(False)
                 if table is not None and w < len(table[0]):
                     records.append([float(v) for v in table[0][w]])
@@ -222,7 +222,7 @@ class Reporter:
                 if dmax is None or p < ring.pos - size or p in reported:
                     continue
                 reported.add(p)
-                value = float(host_ring[p % size][_report.ABS_MAX])
+                value = float(host_ring[p % size][schema.ABS_MAX])
                 if value > limit * dmax:
                     self._warn_headroom(owner, label, value, dtype, dmax)
                     break

@@ -9,13 +9,12 @@ import weakref
 
 import torch
 
-from .. import ops
-from .. import report as _report
+from .. import ops, schema
 from .ring import WEIGHT_HEADROOM, outside_inference_mode
 
-LOW_PRECISION_MAX = {torch.float16: 65504.0, torch.bfloat16: torch.finfo(torch.bfloat16).max,
-                     torch.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max,
-                     torch.float8_e5m2: torch.finfo(torch.float8_e5m2).max}
+# Largest finite value of each dtype whose headroom numguard watches (numguard.schema).
+LOW_PRECISION_MAX = {getattr(torch, name): float(schema.DTYPES[name].max)
+                     for name in schema.LOW_PRECISION_DTYPES if hasattr(torch, name)}
 
 
 def _watchable(p):
@@ -94,13 +93,13 @@ class WeightTable:
             stats = ops.multi_tensor_stats(unique) if layout["one_device"] else torch.cat(
                 [ops.tensor_stats(p).to(ring.device).view(1, -1) for p in unique])
         self.tables[batch] = (stats, layout)
-        bad = (stats[:, _report.NAN] + stats[:, _report.POS_INF] + stats[:, _report.NEG_INF]) > 0
+        bad = (stats[:, schema.NAN] + stats[:, schema.POS_INF] + stats[:, schema.NEG_INF]) > 0
         per_ref = torch.where(bad, math.nan, 0.0).to(torch.float32).index_select(0, layout["wi"])
         flags = layout["flags"]
         flags.zero_()
         flags.index_add_(0, layout["mi"], per_ref)
         if self.limits_inv is not None:
-            over = (stats[:, _report.ABS_MAX] * self.limits_inv > self.headroom).any()
+            over = (stats[:, schema.ABS_MAX] * self.limits_inv > self.headroom).any()
             flag = ring.state_buf[WEIGHT_HEADROOM:WEIGHT_HEADROOM + 1]
             torch.maximum(flag, over.view(1).to(torch.int64), out=flag)
 
@@ -189,9 +188,9 @@ class WeightTable:
                 if w >= len(limits) or limits[w] == 0.0:
                     continue
                 for stats, layout in tables.values():
-                    if w < len(stats) and stats[w][_report.ABS_MAX] * limits[w] > limit:
+                    if w < len(stats) and stats[w][schema.ABS_MAX] * limits[w] > limit:
                         dtype = getattr(torch, layout["dtypes"][w].replace("torch.", ""))
-                        found.append((owner, name, float(stats[w][_report.ABS_MAX]), dtype))
+                        found.append((owner, name, float(stats[w][schema.ABS_MAX]), dtype))
                         limits[w] = 0.0
                         break
         with torch.inference_mode(False):
