@@ -118,20 +118,6 @@ def _on_torch_imported():
                           RuntimeWarning, stacklevel=2)
 
 
-def _has_numguard_hooks(module):
-    """True when some numguard inspector already hooks this module (e.g. the script's own watch())."""
-    for hooks in (module._forward_hooks, module._forward_pre_hooks):
-        for hook in hooks.values():
-            for _ in range(4):  # through functools.partial and wrappers (e.g. torch.compiler.disable)
-                owner = getattr(hook, "__module__", None) or ""
-                if owner.startswith("numguard") and owner != __name__:
-                    return True
-                hook = getattr(hook, "__wrapped__", None) or getattr(hook, "func", None)
-                if hook is None:
-                    break
-    return False
-
-
 class AutoWatcher:
     """Watches every root module the script calls (a module called while no watched module runs).
 
@@ -233,7 +219,9 @@ class AutoWatcher:
 
         import torch
 
-        if _has_numguard_hooks(module):  # the script watches it itself
+        import numguard.inspector
+
+        if numguard.inspector.is_watched(module):  # the script watches it itself
             self.covered.update(module.modules())
             return None
         submodules = list(module.modules())

@@ -316,6 +316,21 @@ def test_failed_watch_leaves_no_hooks(options):
     model(torch.full((2, 8), NAN))  # nobody watches: no orphan raises
 
 
+def test_watch_failing_after_its_hooks_are_in_removes_them(monkeypatch):
+    import numguard.backward
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("backward watcher could not start")
+
+    monkeypatch.setattr(numguard.backward, "BackwardWatcher", broken)
+    model = MLP()
+    before = all_hooks(model)
+    with pytest.raises(RuntimeError, match="could not start"):
+        numguard.watch(model, **quiet(backward=True))
+    assert all_hooks(model) == before
+    model(torch.full((2, 8), NAN))
+
+
 # --- several threads -----------------------------------------------------------------------------
 class Slow(nn.Module):
     def __init__(self, gate):

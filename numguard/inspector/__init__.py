@@ -13,7 +13,7 @@ Modules, in the order a watched tensor meets them:
 - ``trips``: reports, on_trip actions, headroom warnings, traces;
 - ``dropin``: Transformers' DebugUnderflowOverflow and detect_overflow.
 """
-from .core import Inspector, watch
+from .core import Inspector, is_watched, watch
 from .dropin import DebugUnderflowOverflow, detect_overflow
 
-__all__ = ["Inspector", "watch", "DebugUnderflowOverflow", "detect_overflow"]
+__all__ = ["Inspector", "watch", "is_watched", "DebugUnderflowOverflow", "detect_overflow"]

@@ -29,6 +29,14 @@ from .weights import WeightTable
 
 
 
+_watched = weakref.WeakKeyDictionary()  # module -> open inspectors whose hooks are on it
+
+
+def is_watched(module: torch.nn.Module) -> bool:
+    """Whether an open Inspector has its hooks on `module` (e.g. the script's own watch())."""
+    return bool(_watched.get(module))
+
+
 class Held(NamedTuple):
     """Inspector.held(): frames held as report context (module name, section, batch), ring size
     in records, weight tables, tensors remembered for reuse, hooks installed."""
@@ -111,6 +119,8 @@ class Inspector(ModuleHooks):
         self._reporter = Reporter(self._ring, self._weights, opts, self._warned, self._reader)
         try:
             self._install_hooks(model)
+            for module in self._module_names.keys():
+                _watched[module] = _watched.get(module, 0) + 1
             if opts.backward:
                 self._watch_gradients(model)
         except BaseException:
@@ -215,6 +225,12 @@ class Inspector(ModuleHooks):
             for h in self._handles:
                 h.remove()
             self._handles.clear()
+            for module in list(self._module_names.keys()):
+                count = _watched.get(module, 0) - 1
+                if count > 0:
+                    _watched[module] = count
+                else:
+                    _watched.pop(module, None)
             if self._backward_watch is not None:
                 try:
                     self._backward_watch.close()
@@ -414,4 +430,4 @@ def watch(model: torch.nn.Module, max_frames_to_save=env.UNSET, trace_batch_nums
     return Inspector(model, **env.resolve_watch_options(passed))
 
 
-__all__ = ["Inspector", "watch", "STDOUT"]
+__all__ = ["Inspector", "watch", "is_watched", "STDOUT"]
