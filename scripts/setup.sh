@@ -21,7 +21,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   pip_install "$TORCH_REQ"
 fi
 pip_install setuptools wheel ninja numpy pytest pytest-timeout \
-  "transformers==5.24.0" "accelerate==1.15.0" matplotlib
+  "transformers==5.24.0" "accelerate==1.15.0" "pytorch-lightning==2.6.6" matplotlib
 echo "numguard setup: building the native kernels"
 # --no-build-isolation: build against the torch installed above, not a fresh one pip would fetch.
 pip_install --no-build-isolation -e .

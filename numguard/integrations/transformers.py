@@ -1,0 +1,162 @@
+"""numguard in a Transformers ``Trainer``:
+
+    from numguard.integrations.transformers import NumguardCallback
+    trainer = Trainer(model, args, ..., callbacks=[NumguardCallback(on_trip="raise")])
+
+From ``on_train_begin`` the callback watches the model the Trainer runs (DDP and torch.compile
+wrappers taken off), with ``backward=True`` unless told otherwise: parameter gradients are checked
+right before each optimizer step, after clipping and unscaling. A trip's message gives the
+Trainer's ``global_step`` next to numguard's batch number. Each time the Trainer logs, numguard adds
+``numguard/worst_headroom``, ``numguard/nonfinite`` and ``numguard/skipped_steps`` to its logs, so
+they reach TensorBoard, W&B and the console like any metric. ``on_train_end`` closes the inspector.
+
+``TrainingArguments(debug="underflow_overflow")`` with this callback: numguard's detector replaces
+Transformers' ``DebugUnderflowOverflow`` (its hooks are removed; one message says so), never both.
+
+Evaluation and prediction under the Trainer run with gradients off; numguard checks those batches
+on their own rank, outside the cross-rank exchange of training steps.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+from . import _common
+
+__all__ = ["NumguardCallback"]
+
+_log = logging.getLogger("numguard")
+_PREFIX = "numguard/"
+
+
+def _trainer_callback_base():
+    try:
+        from transformers import TrainerCallback
+    except ImportError as exc:  # the class below cannot exist without it
+        raise ImportError("numguard.integrations.transformers needs the transformers package "
+                          f"(pip install transformers): {exc}") from exc
+    return TrainerCallback
+
+
+def remove_debug_underflow_overflow(model) -> int:
+    """Remove the hooks of Transformers' ``DebugUnderflowOverflow`` from `model` (what
+    ``debug="underflow_overflow"`` installs). Returns how many hooks were removed."""
+    debug_utils = sys.modules.get("transformers.debug_utils")
+    hf_class = getattr(debug_utils, "DebugUnderflowOverflow", None)
+    if hf_class is None:
+        return 0
+    removed = 0
+    for module in model.modules():
+        for hook_id, hook in list(module._forward_hooks.items()):
+            if isinstance(getattr(hook, "__self__", None), hf_class):
+                del module._forward_hooks[hook_id]
+                module._forward_hooks_with_kwargs.pop(hook_id, None)
+                module._forward_hooks_always_called.pop(hook_id, None)
+                removed += 1
+    return removed
+
+
+def _callback_handler():
+    """The Trainer's CallbackHandler calling us now (its call_event is two frames up), or None."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return None
+        handler = frame.f_locals.get("self")
+        if type(handler).__name__ == "CallbackHandler" and isinstance(getattr(handler, "callbacks", None), list):
+            return handler
+        frame = frame.f_back
+    return None
+
+
+class NumguardCallback(_trainer_callback_base()):
+    """A ``transformers.TrainerCallback`` that watches the Trainer's model with numguard.
+
+    Args:
+        **watch_options: numguard.watch() options (``on_trip``, ``check``, ``headroom``,
+            ``report_to``, ...); ``backward`` defaults to True here. Options left out take their
+            NUMGUARD_* variables. Invalid options raise here, not at the first step.
+
+    Attributes:
+        inspector: the Inspector while training runs (None before on_train_begin and after
+            on_train_end).
+        last_summary: the numbers added to the last logs.
+    """
+
+    def __init__(self, **watch_options):
+        _common.resolve_options(watch_options)  # fail now, naming the bad option
+        self.watch_options = dict(watch_options)
+        self.inspector = None
+        self.last_summary = {}
+        self._state = None
+        self._told_debug = False
+
+    # -- training ---------------------------------------------------------------------------------
+    def on_init_end(self, args, state, control, **kwargs):
+        self._log_first()
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._log_first()
+        self._state = state
+        if model is None or self.inspector is not None:
+            return
+        model = _common.unwrap(model)
+        removed = remove_debug_underflow_overflow(model)
+        if removed or "underflow_overflow" in str(getattr(args, "debug", "")):
+            self._say_debug_replaced(removed)
+        try:
+            _common.take_over_from_start_up(model)
+            self.inspector = _common.watch(model, self.watch_options, step=self._global_step,
+                                           step_label="Trainer global_step")
+        except Exception as exc:  # numguard's failure must not stop the Trainer
+            self.inspector = None
+            _common.warn(f"numguard: could not watch the Trainer's model ({type(exc).__name__}: {exc}); "
+                         "training goes on unwatched")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.inspector is None or logs is None:
+            return
+        summary = {_PREFIX + key: value for key, value in _common.numerics_summary(self.inspector).items()}
+        self.last_summary = summary
+        logs.update(summary)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(summary)  # the Trainer copied logs there before on_log
+
+    def on_train_end(self, args, state, control, **kwargs):
+        inspector, self.inspector = self.inspector, None
+        if inspector is not None:
+            inspector.close()
+
+    def close(self):
+        """Close the inspector now (on_train_end does this)."""
+        self.on_train_end(None, None, None)
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _global_step(self):
+        return self._state.global_step if self._state is not None else None
+
+    def _log_first(self):
+        """Move this callback ahead of the reporting callbacks (TensorBoard, W&B, ...), which the
+        Trainer puts before user callbacks: its numbers must be in `logs` before they read it."""
+        try:
+            handler = _callback_handler()
+            if handler is None:
+                return
+            callbacks = handler.callbacks
+            here = callbacks.index(self)
+            first_reporter = next((i for i, cb in enumerate(callbacks)
+                                   if type(cb).__module__.startswith("transformers.integrations")), None)
+            if first_reporter is not None and first_reporter < here:
+                # Moving ourselves earlier while the handler iterates skips and repeats nothing.
+                callbacks.pop(here)
+                callbacks.insert(first_reporter, self)
+        except Exception:
+            pass
+
+    def _say_debug_replaced(self, removed):
+        if self._told_debug:
+            return
+        self._told_debug = True
+        _common.warn('numguard: Trainer debug="underflow_overflow" is served by numguard\'s detector '
+                     f"(Transformers' DebugUnderflowOverflow hooks removed: {removed}); reports keep "
+                     "Transformers' format")
