@@ -47,3 +47,35 @@ def samples(n=32, seed=0):
     xs = torch.randn(n, 4, generator=g)
     ys = xs.sum(-1) * 0.5
     return [{"x": xs[i], "labels": ys[i]} for i in range(n)]
+
+
+def lightning_module_class(pl):
+    """A LightningModule around TinyNet for the `pl` package given (pytorch_lightning or
+    lightning.pytorch); it records each training step's loss in `losses`."""
+
+    class LitNet(pl.LightningModule):
+        def __init__(self, poison_at=None, mode="train", lr=0.05):
+            super().__init__()
+            self.net = TinyNet(poison_at, mode)
+            self.lr = lr
+            self.losses = []
+
+        def forward(self, x):
+            return self.net(x)["logits"]
+
+        def training_step(self, batch, batch_idx):
+            loss = ((self(batch["x"]).squeeze(-1).float() - batch["labels"]) ** 2).mean()
+            self.losses.append(float(loss.detach()))
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            return ((self(batch["x"]).squeeze(-1).float() - batch["labels"]) ** 2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    return LitNet
+
+
+def loader(n=32, batch_size=4, seed=0):
+    return torch.utils.data.DataLoader(samples(n, seed), batch_size=batch_size, shuffle=False)

@@ -127,7 +127,8 @@ class NumguardCallback(*_callback_bases()):
         summary = {_PREFIX + key: value for key, value in _common.numerics_summary(self.inspector).items()}
         self.last_summary = summary
         try:
-            pl_module.log_dict(summary, on_step=True, on_epoch=False, prog_bar=False, logger=True)
+            pl_module.log_dict(summary, on_step=True, on_epoch=False, prog_bar=False,
+                               logger=bool(getattr(trainer, "loggers", None)))
         except Exception as exc:  # a logger problem is not a reason to stop training
             _common.warn(f"numguard: could not log the numerics summary ({type(exc).__name__}: {exc})")
 

@@ -1,0 +1,146 @@
+"""Multi-process cases of the integration tests: one subprocess per rank (gloo on loopback, a free
+port), every process killed after a hard timeout, a JSON result per rank.
+
+    results = run_ranks("lightning_ddp", world=2, timeout=150)
+
+A case is ``case_<name>(rank, world) -> dict`` in this file. Workers leave with ``os._exit`` so a
+process left in a collective cannot keep the test waiting.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from dist_workers import free_port  # noqa: E402
+
+
+def run_ranks(name, world=2, timeout=150.0, env=None):
+    """Run ``case_<name>`` on `world` processes; returns their result dicts (each with its "log").
+    Raises AssertionError with every rank's output when one fails or the timeout passes."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for rank in range(world):
+            e = dict(os.environ)
+            e.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                      "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+                      "NODE_RANK": "0", "OMP_NUM_THREADS": "1",
+                      "PYTHONPATH": ROOT + os.pathsep + e.get("PYTHONPATH", "")})
+            e.update(env or {})
+            log = open(os.path.join(tmp, f"log{rank}.txt"), "w")
+            procs.append((subprocess.Popen([sys.executable, __file__, name, os.path.join(tmp, f"r{rank}.json")],
+                                           env=e, stdout=log, stderr=subprocess.STDOUT, cwd=tmp), log))
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        timed_out = any(p.poll() is None for p, _ in procs)
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            log.close()
+        logs = [open(os.path.join(tmp, f"log{r}.txt")).read() for r in range(world)]
+        results = []
+        for r in range(world):
+            path = os.path.join(tmp, f"r{r}.json")
+            results.append(json.load(open(path)) if os.path.exists(path) else None)
+    if timed_out or any(res is None or "error" in res for res in results):
+        detail = "\n".join(f"--- rank {r} ---\n{logs[r][-5000:]}" for r in range(world))
+        raise AssertionError(f"case {name!r}: {'timed out' if timed_out else 'a rank failed'}\n{detail}")
+    for res, log in zip(results, logs):
+        res["log"] = log
+    return results
+
+
+def _outcome(fn):
+    try:
+        return {"ok": fn()}
+    except Exception as exc:  # noqa: BLE001 - the tests look at it
+        return {"exc": type(exc).__name__, "msg": str(exc), "module": getattr(exc, "module", None),
+                "batch_number": getattr(exc, "batch_number", None), "ranks": getattr(exc, "ranks", None)}
+
+
+def case_lightning_ddp(rank, world):
+    """ddp on 2 CPU processes: rank 0's forward makes a NaN at its step 2; every rank stops there."""
+    import pytorch_lightning as pl
+
+    from integ_models import lightning_module_class, loader
+    from numguard.integrations.lightning import NumguardCallback
+
+    LitNet = lightning_module_class(pl)
+    pl.seed_everything(0)
+    model = LitNet(poison_at=2 if rank == 0 else None)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy="ddp", max_steps=5, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[NumguardCallback(report_to=None)], use_distributed_sampler=False)
+    out = _outcome(lambda: trainer.fit(model, loader()))
+    out["steps_run"] = len(model.losses)
+    out["global_step"] = trainer.global_step
+    return out
+
+
+def case_accelerate_ops(rank, world):
+    """NUMGUARD_DIST_CHECK=1 and ACCELERATE_DEBUG_MODE=1: every Accelerate operation given
+    mismatched shapes raises numguard's exception on every process; matching ones work."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+    from accelerate.utils import broadcast, gather, pad_across_processes, reduce
+
+    import numguard.distributed as ngd
+    from numguard.integrations.accelerate import watch
+    from integ_models import TinyNet
+
+    accelerator = Accelerator(cpu=True)
+    res = {"debug_before": bool(PartialState().debug), "processes": accelerator.num_processes}
+    model = accelerator.prepare(TinyNet())
+    inspector = watch(accelerator, model, report_to=None)
+    res["debug_after"] = bool(PartialState().debug)
+    calls = []
+    original = ngd.guard.check_shapes
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("op"))
+        return original(*args, **kwargs)
+
+    ngd.guard.check_shapes = counting  # the guard's wrappers look it up at every call
+    wrong = torch.ones(2, 3 + rank)
+    res["gather"] = _outcome(lambda: gather(wrong).shape[0])
+    res["reduce"] = _outcome(lambda: float(reduce(wrong).sum()))
+    res["broadcast"] = _outcome(lambda: broadcast(wrong).shape[1])
+    res["pad_across_processes"] = _outcome(lambda: pad_across_processes(torch.ones(2) if rank == 0 else torch.ones(2, 2)).shape[0])
+    res["gather_for_metrics"] = _outcome(lambda: accelerator.gather_for_metrics(wrong).shape[0])
+    # Matching calls still work, and went through the guard.
+    res["pad_uneven"] = _outcome(lambda: list(gather(pad_across_processes(torch.ones(2 + rank, 3))).shape))
+    res["gather_ok"] = _outcome(lambda: list(gather(torch.ones(2, 3)).shape))
+    res["checked_ops"] = sorted(set(op for op in calls if op))
+    ngd.guard.check_shapes = original
+    inspector.close()
+    return res
+
+
+def _main():
+    name, path = sys.argv[1], sys.argv[2]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    try:
+        result = globals()[f"case_{name}"](rank, world)
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        result = {"error": traceback.format_exc()}
+    with open(path, "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    _main()
