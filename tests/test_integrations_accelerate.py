@@ -1,0 +1,96 @@
+"""numguard.integrations.accelerate.watch with a real Accelerator on CPU."""
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState  # noqa: E402
+
+import numguard  # noqa: E402
+from numguard.integrations.accelerate import numerics_summary, watch  # noqa: E402
+
+from integ_models import TinyNet, loader  # noqa: E402
+
+
+def train(watched, poison_at=None, steps=5, mixed_precision="no", **options):
+    """Accelerate's usual loop; returns (losses, inspector or None, model)."""
+    torch.manual_seed(0)
+    AcceleratorState._reset_state(reset_partial_state=True)  # each run picks its own precision
+    accelerator = Accelerator(cpu=True, mixed_precision=mixed_precision)
+    model = TinyNet(poison_at)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer, data = accelerator.prepare(model, optimizer, loader())
+    inspector = watch(accelerator, model, report_to=None, **options) if watched else None
+    losses = []
+    try:
+        for step, batch in enumerate(data):
+            if step == steps:
+                break
+            loss = model(batch["x"], labels=batch["labels"])["loss"]
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+    finally:
+        if inspector is not None:
+            inspector.close(check=False)
+    return losses, inspector, accelerator.unwrap_model(model)
+
+
+def test_healthy_run_has_the_unwatched_losses():
+    plain, _, _ = train(False)
+    watched, inspector, _ = train(True)
+    assert watched == plain and len(plain) == 5
+    summary = numerics_summary(inspector)
+    assert summary["numguard/nonfinite"] == 0.0 and summary["numguard/skipped_steps"] == 0.0
+
+
+def test_nan_at_a_known_step_stops_that_step_naming_the_module():
+    with pytest.raises(numguard.NonFiniteError) as info:
+        train(True, poison_at=2)
+    err = info.value
+    assert err.module == "poison" and err.labels == ["output"] and err.batch_number == 2
+
+
+def test_model_names_come_from_the_unwrapped_model():
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(TinyNet())
+    with watch(accelerator, model, report_to=None) as inspector:
+        names = set(inspector.module_names.values())
+    assert {"fc1", "poison", "fc2"} <= names
+
+
+def test_bf16_mixed_precision_has_the_unwatched_losses():
+    try:
+        plain, _, _ = train(False, mixed_precision="bf16")
+    except (ValueError, RuntimeError) as exc:
+        pytest.skip(f"bf16 mixed precision is not available on this CPU: {exc}")
+    watched, inspector, _ = train(True, mixed_precision="bf16")
+    assert watched == plain
+    assert 0.0 < numerics_summary(inspector)["numguard/worst_headroom"] < 1.0  # bf16 activations seen
+
+
+def test_bf16_mixed_precision_nan_is_caught():
+    with pytest.raises(numguard.NonFiniteError) as info:
+        train(True, poison_at=1, mixed_precision="bf16")
+    assert info.value.module == "poison" and info.value.batch_number == 1
+
+
+@pytest.mark.timeout(200)
+def test_dist_check_covers_accelerate_operations_instead_of_debug_mode():
+    from integ_workers import run_ranks
+
+    results = run_ranks("accelerate_ops", world=2, timeout=150,
+                        env={"NUMGUARD_DIST_CHECK": "1", "ACCELERATE_DEBUG_MODE": "1",
+                             "NUMGUARD_DIST_TIMEOUT": "30"})
+    for res in results:
+        assert res["processes"] == 2, res
+        assert res["debug_before"] is True and res["debug_after"] is False, res
+        for op in ("gather", "reduce", "broadcast", "pad_across_processes", "gather_for_metrics"):
+            assert res[op].get("exc") == "DistributedOperationException", (op, res[op])
+        assert res["pad_uneven"] == {"ok": [6, 3]}, res
+        assert res["gather_ok"] == {"ok": [4, 3]}, res
+        assert {"torch.distributed.all_gather", "torch.distributed.all_reduce",
+                "torch.distributed.broadcast"} <= set(res["checked_ops"]), res["checked_ops"]
+    assert "both set" in results[0]["log"]
