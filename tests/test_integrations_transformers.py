@@ -8,6 +8,7 @@ pytest.importorskip("transformers")
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 import numguard  # noqa: E402
+from numguard.integrations import transformers as ng_transformers  # noqa: E402
 from numguard.integrations.transformers import NumguardCallback  # noqa: E402
 
 from integ_models import TinyNet, samples  # noqa: E402
@@ -72,7 +73,8 @@ def test_gradient_accumulation_reports_the_optimizer_step(tmp_path):
         trainer.train()
 
 
-def test_debug_underflow_overflow_is_served_by_numguard_alone(tmp_path):
+def test_debug_underflow_overflow_is_served_by_numguard_alone(tmp_path, monkeypatch):
+    monkeypatch.setattr(ng_transformers, "_told", set())
     reports = []
     trainer = make_trainer(tmp_path, [NumguardCallback(report_to=reports.append)], poison_at=2,
                            debug="underflow_overflow")
@@ -88,6 +90,33 @@ def test_debug_underflow_overflow_is_served_by_numguard_alone(tmp_path):
     hooks = [h for m in trainer.model.modules() for h in m._forward_hooks.values()
              if isinstance(getattr(h, "__self__", None), DebugUnderflowOverflow)]
     assert hooks == []
+
+
+def test_serve_debug_option_leaves_the_model_to_numguard(tmp_path, monkeypatch):
+    # What NUMGUARD=1 jobs need: the Trainer's own DebugUnderflowOverflow call installs nothing.
+    import transformers.trainer
+    monkeypatch.setattr(transformers.trainer, "DebugUnderflowOverflow", transformers.trainer.DebugUnderflowOverflow)
+    monkeypatch.setattr(ng_transformers, "_told", set())
+    ng_transformers.serve_debug_option()
+    ng_transformers.serve_debug_option()  # idempotent
+    trainer = make_trainer(tmp_path, steps=2, debug="underflow_overflow")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+        make_trainer(tmp_path, steps=1, debug="underflow_overflow").train()
+    assert sum("served by numguard" in str(w.message) for w in caught) == 1
+    assert all(not m._forward_hooks for m in trainer.model.modules())
+
+
+def test_on_trip_warn_counts_trips_in_the_logs(tmp_path):
+    seen = Seen()
+    trainer = make_trainer(tmp_path, [NumguardCallback(report_to=None, on_trip="warn"), seen], poison_at=1,
+                           steps=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()  # training goes on after each trip
+    counts = [logs["numguard/nonfinite"] for logs in seen.logs if "loss" in logs]
+    assert counts[0] == 0.0 and counts[1] >= 1.0 and counts == sorted(counts)
 
 
 def test_evaluation_is_watched_and_checked_on_its_own(tmp_path):

@@ -23,7 +23,7 @@ import sys
 
 from . import _common
 
-__all__ = ["NumguardCallback"]
+__all__ = ["NumguardCallback", "remove_debug_underflow_overflow", "serve_debug_option"]
 
 _log = logging.getLogger("numguard")
 _PREFIX = "numguard/"
@@ -54,6 +54,38 @@ def remove_debug_underflow_overflow(model) -> int:
                 module._forward_hooks_always_called.pop(hook_id, None)
                 removed += 1
     return removed
+
+
+_told = set()
+
+
+def _say_debug_replaced(removed=None):
+    if "debug" in _told:
+        return
+    _told.add("debug")
+    what = f" (hooks removed: {removed})" if removed is not None else ""
+    _common.warn('numguard: Trainer debug="underflow_overflow" is served by numguard\'s detector instead of '
+                 f"Transformers' DebugUnderflowOverflow{what}; reports keep Transformers' format")
+
+
+def serve_debug_option() -> None:
+    """Make ``debug="underflow_overflow"`` leave the model to numguard: the Trainer's
+    ``DebugUnderflowOverflow(model)`` call installs nothing and says so once. For ``NUMGUARD=1``
+    jobs, whose root modules numguard already watches; call it once transformers.trainer is
+    imported. Idempotent."""
+    import transformers.trainer as trainer_module
+
+    current = trainer_module.DebugUnderflowOverflow
+    if getattr(current, "__numguard_serves__", False):
+        return
+
+    def numguard_serves(model, *args, **kwargs):
+        _say_debug_replaced()
+        return None
+
+    numguard_serves.__numguard_serves__ = True
+    numguard_serves.__wrapped__ = current
+    trainer_module.DebugUnderflowOverflow = numguard_serves
 
 
 def _callback_handler():
@@ -89,7 +121,6 @@ class NumguardCallback(_trainer_callback_base()):
         self.inspector = None
         self.last_summary = {}
         self._state = None
-        self._told_debug = False
 
     # -- training ---------------------------------------------------------------------------------
     def on_init_end(self, args, state, control, **kwargs):
@@ -103,7 +134,7 @@ class NumguardCallback(_trainer_callback_base()):
         model = _common.unwrap(model)
         removed = remove_debug_underflow_overflow(model)
         if removed or "underflow_overflow" in str(getattr(args, "debug", "")):
-            self._say_debug_replaced(removed)
+            _say_debug_replaced(removed)
         try:
             _common.take_over_from_start_up(model)
             self.inspector = _common.watch(model, self.watch_options, step=self._global_step,
@@ -152,11 +183,3 @@ class NumguardCallback(_trainer_callback_base()):
                 callbacks.insert(first_reporter, self)
         except Exception:
             pass
-
-    def _say_debug_replaced(self, removed):
-        if self._told_debug:
-            return
-        self._told_debug = True
-        _common.warn('numguard: Trainer debug="underflow_overflow" is served by numguard\'s detector '
-                     f"(Transformers' DebugUnderflowOverflow hooks removed: {removed}); reports keep "
-                     "Transformers' format")
