@@ -128,6 +128,43 @@ def case_accelerate_ops(rank, world):
     return res
 
 
+def case_fsdp2_local_shards(rank, world):
+    """FSDP2 (fully_shard, DTensor parameters) on 2 CPU processes: rank 1's local shard of
+    fc1.weight's gradient turns NaN before step 1's optimizer step."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import numguard
+    from integ_models import TinyNet
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = TinyNet()
+    fully_shard(model.fc1)
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    inspector = numguard.watch(model, backward=True, report_to=None)
+    x, y = torch.randn(4, 4), torch.randn(4)
+    res = {"steps": 0}
+
+    def train():
+        for step in range(3):
+            model(x, labels=y)["loss"].backward()
+            if step == 1 and rank == 1:
+                with torch.no_grad():
+                    model.fc1.weight.grad.to_local()[0, 0] = float("nan")
+            optimizer.step()
+            optimizer.zero_grad()
+            res["steps"] += 1
+
+    res.update(_outcome(train))
+    res["unwatched"] = inspector.unwatched_modules()
+    res["backward_closed"] = inspector.backward_watcher is None or inspector.backward_watcher.closed
+    inspector.close(check=False)
+    return res
+
+
 def _main():
     name, path = sys.argv[1], sys.argv[2]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
