@@ -50,6 +50,7 @@ def test_nan_at_a_known_step_stops_that_step_naming_the_module():
         train(True, poison_at=2)
     err = info.value
     assert err.module == "poison" and err.labels == ["output"] and err.batch_number == 2
+    assert "during batch_number=2 in poison (Poison)" in str(err)
 
 
 def test_model_names_come_from_the_unwrapped_model():

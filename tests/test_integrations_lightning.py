@@ -44,6 +44,7 @@ def test_nan_at_a_known_step_stops_that_step_naming_the_module():
     assert "(Lightning global_step=3) in net.poison (Poison)" in str(err)
     assert trainer.global_step == 3
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert not numguard.inspector.is_watched(model) and "training_step" not in model.__dict__
 
 
 def test_validation_nan_is_caught():

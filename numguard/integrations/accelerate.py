@@ -78,8 +78,8 @@ def watch(accelerator, model, **watch_options):
     """
     _one_collective_check(accelerator)
     inner = _common.unwrap(accelerator.unwrap_model(model, keep_torch_compile=False))
-    inspector = _common.watch(inner, watch_options, step=lambda: accelerator.step,
-                              step_label="Accelerate step")
+    # No step counter here: Accelerate's own (accelerator.step) counts accumulate() calls only.
+    inspector = _common.watch(inner, watch_options)
     scaler = getattr(accelerator, "scaler", None)
     watcher = inspector.backward_watcher
     if scaler is not None and watcher is not None:

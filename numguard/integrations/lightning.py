@@ -12,7 +12,7 @@ step begin and end. Parameter gradients are checked by numguard's optimizer step
 runs after ``on_before_optimizer_step`` (after Lightning's AMP unscale); a step GradScaler skips
 under ``precision="16-mixed"`` is counted, not a trip. Every ``log_every_n_steps`` training
 steps the callback logs ``numguard/worst_headroom``, ``numguard/nonfinite`` and
-``numguard/skipped_steps`` through ``pl_module.log``. ``teardown`` closes the inspector.
+``numguard/skipped_steps`` through ``pl_module.log``. ``teardown`` (or ``on_exception``) closes the inspector.
 
 With ``strategy="ddp"`` every rank learns of a trip at the same check (numguard's cross-rank
 exchange), so every rank stops in the same step.
@@ -133,6 +133,10 @@ class NumguardCallback(*_callback_bases()):
             _common.warn(f"numguard: could not log the numerics summary ({type(exc).__name__}: {exc})")
 
     def teardown(self, trainer, pl_module, stage):
+        self.close()
+
+    def on_exception(self, trainer, pl_module, exception):
+        # Lightning skips the teardown hooks when fit raises (a NonFiniteError included).
         self.close()
 
     def close(self):

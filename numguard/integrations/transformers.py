@@ -111,7 +111,8 @@ class NumguardCallback(_trainer_callback_base()):
 
     Attributes:
         inspector: the Inspector while training runs (None before on_train_begin and after
-            on_train_end).
+            on_train_end). When train() raises, the Trainer calls no on_train_end: the model stays
+            watched until close() or the next train().
         last_summary: the numbers added to the last logs.
     """
 
@@ -129,9 +130,13 @@ class NumguardCallback(_trainer_callback_base()):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._log_first()
         self._state = state
-        if model is None or self.inspector is not None:
+        if model is None:
             return
         model = _common.unwrap(model)
+        if self.inspector is not None:
+            if self.inspector.model is model:
+                return  # train() raised last time (no on_train_end): keep watching the same model
+            self.close()
         removed = remove_debug_underflow_overflow(model)
         if removed or "underflow_overflow" in str(getattr(args, "debug", "")):
             _say_debug_replaced(removed)
