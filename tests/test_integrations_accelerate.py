@@ -95,3 +95,23 @@ def test_dist_check_covers_accelerate_operations_instead_of_debug_mode():
         assert {"torch.distributed.all_gather", "torch.distributed.all_reduce",
                 "torch.distributed.broadcast"} <= set(res["checked_ops"]), res["checked_ops"]
     assert "both set" in results[0]["log"]
+
+
+def test_start_up_turns_accelerate_debug_mode_off_when_numguard_checks_collectives(monkeypatch):
+    import numguard.distributed as ngd
+    from numguard.integrations import accelerate as ng_accelerate
+
+    monkeypatch.setattr(ng_accelerate, "_told", set())
+    monkeypatch.setenv("ACCELERATE_DEBUG_MODE", "1")
+    monkeypatch.setenv("NUMGUARD_DIST_CHECK", "0")
+    assert ng_accelerate.prefer_numguard_collective_check() is False  # numguard's check is off: leave it
+    import os
+    assert os.environ["ACCELERATE_DEBUG_MODE"] == "1"
+    monkeypatch.setenv("NUMGUARD_DIST_CHECK", "1")
+    try:
+        with pytest.warns(UserWarning, match="both set"):
+            assert ng_accelerate.prefer_numguard_collective_check() is True
+        assert os.environ["ACCELERATE_DEBUG_MODE"] == "0"
+        assert ngd.guard.installed_guard() is not None
+    finally:
+        ngd.unguard_collectives()

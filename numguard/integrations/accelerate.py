@@ -25,7 +25,7 @@ import logging
 from .. import env
 from . import _common
 
-__all__ = ["watch", "numerics_summary"]
+__all__ = ["watch", "numerics_summary", "prefer_numguard_collective_check"]
 
 _log = logging.getLogger("numguard")
 _told = set()
@@ -44,28 +44,35 @@ def _dist_check_on() -> bool:
         return False
 
 
-def _one_collective_check(accelerator) -> bool:
-    """With numguard's collective check on, install it (importing numguard.distributed does that
-    for NUMGUARD_DIST_CHECK=1) and turn Accelerate's debug-mode check off. Returns whether
-    Accelerate's check was turned off."""
+def prefer_numguard_collective_check() -> bool:
+    """With numguard's collective check on (NUMGUARD_DIST_CHECK=1 or guard_collectives()),
+    install it and turn Accelerate's debug-mode check off: ACCELERATE_DEBUG_MODE is set to 0 for
+    states made from now on, and any state made already stops checking. Says so once. Returns
+    whether Accelerate's check was on. For NUMGUARD=1 jobs, call it at start-up; watch() calls it."""
+    import os
+    import sys
+
     if not _dist_check_on():
         return False
     from .. import distributed
 
     distributed.guard_collectives()
-    from accelerate.state import PartialState
-
-    states = [PartialState(), accelerator.state]
-    if not any(getattr(state, "debug", False) for state in states):
-        return False
-    for state in states:
-        state.debug = False  # Accelerate's verify_operation reads PartialState().debug
-    if "debug" not in _told:
+    was_on = os.environ.get("ACCELERATE_DEBUG_MODE", "").strip().lower() in ("1", "true", "yes", "y", "on")
+    if was_on:
+        os.environ["ACCELERATE_DEBUG_MODE"] = "0"
+    state_module = sys.modules.get("accelerate.state")
+    if state_module is not None:
+        for cls in (getattr(state_module, "PartialState", None), getattr(state_module, "AcceleratorState", None)):
+            shared = getattr(cls, "_shared_state", None)
+            if isinstance(shared, dict) and shared.get("debug"):
+                shared["debug"] = False  # Accelerate's verify_operation reads PartialState().debug
+                was_on = True
+    if was_on and "debug" not in _told:
         _told.add("debug")
         _common.warn("numguard: NUMGUARD_DIST_CHECK=1 and ACCELERATE_DEBUG_MODE are both set; Accelerate's "
                      "operations are checked by numguard's collective check only (Accelerate's debug-mode "
                      "check is off: it would exchange the same shapes a second time)")
-    return True
+    return was_on
 
 
 def watch(accelerator, model, **watch_options):
@@ -76,7 +83,7 @@ def watch(accelerator, model, **watch_options):
         model: the prepared model (or the model itself).
         **watch_options: numguard.watch() options; ``backward`` defaults to True here.
     """
-    _one_collective_check(accelerator)
+    prefer_numguard_collective_check()
     inner = _common.unwrap(accelerator.unwrap_model(model, keep_torch_compile=False))
     # No step counter here: Accelerate's own (accelerator.step) counts accumulate() calls only.
     inspector = _common.watch(inner, watch_options)
