@@ -88,6 +88,37 @@ def case_lightning_ddp(rank, world):
     return out
 
 
+def case_transformers_ddp(rank, world):
+    """Trainer on 2 CPU processes (DDP, gloo): a healthy run with evaluation every 2 steps (the
+    evaluation checks stay on their own rank), then rank 0's forward makes a NaN at step 2."""
+    import tempfile
+
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from integ_models import TinyNet, samples
+    from numguard.integrations.transformers import NumguardCallback
+
+    def trainer(poison_at, out):
+        torch.manual_seed(0)
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, per_device_eval_batch_size=4,
+                                 max_steps=4, logging_steps=1, report_to=[], use_cpu=True, seed=0,
+                                 save_strategy="no", disable_tqdm=True, eval_strategy="steps", eval_steps=2)
+        return Trainer(model=TinyNet(poison_at), args=args, train_dataset=samples(), eval_dataset=samples(8, 1),
+                       callbacks=[NumguardCallback(report_to=None)])
+
+    res = {}
+    with tempfile.TemporaryDirectory() as out:
+        healthy = trainer(None, out)
+        res["healthy"] = _outcome(lambda: healthy.train().global_step)
+        res["eval_losses"] = [e["eval_loss"] for e in healthy.state.log_history if "eval_loss" in e]
+        res["parallel"] = str(healthy.args.parallel_mode)
+        bad = trainer(2 if rank == 0 else None, out)
+        res["poisoned"] = _outcome(lambda: bad.train().global_step)
+        res["poisoned_step"] = bad.state.global_step
+    return res
+
+
 def case_accelerate_ops(rank, world):
     """NUMGUARD_DIST_CHECK=1 and ACCELERATE_DEBUG_MODE=1: every Accelerate operation given
     mismatched shapes raises numguard's exception on every process; matching ones work."""

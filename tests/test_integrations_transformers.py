@@ -148,3 +148,17 @@ def test_numguard_values_reach_reporting_callbacks_that_run_before_user_callback
 def test_invalid_option_fails_at_construction():
     with pytest.raises(ValueError, match="on_trip"):
         NumguardCallback(on_trip="explode")
+
+
+@pytest.mark.timeout(200)
+def test_ddp_two_processes_evaluate_and_stop_in_the_same_step():
+    from integ_workers import run_ranks
+
+    results = run_ranks("transformers_ddp", world=2, timeout=150)
+    for res in results:
+        assert res["parallel"] == "ParallelMode.DISTRIBUTED", res
+        # Evaluation batches (every 2 steps) are checked on their own rank; training goes on.
+        assert res["healthy"] == {"ok": 4} and len(res["eval_losses"]) == 2, res
+        assert res["poisoned"].get("exc") == "NonFiniteError" and res["poisoned_step"] == 2, res
+        assert "(Trainer global_step=2)" in res["poisoned"]["msg"] and res["poisoned"]["ranks"] == [0, 1]
+    assert results[0]["poisoned"]["module"] == "poison"  # rank 0 made the NaN in its forward
