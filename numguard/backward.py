@@ -32,6 +32,8 @@ import weakref
 
 import torch
 
+from .inspector.frames import local_shard
+
 __all__ = ["BackwardWatcher", "SCALER_SKIP_ACTIONS"]
 
 SCALER_SKIP_ACTIONS = ("count", "trip")
@@ -234,6 +236,8 @@ class BackwardWatcher:
         labels, grads = [], []
         for label, param in params:
             grad = param.grad
+            if grad is not None:
+                grad = local_shard(grad)  # a sharded parameter's gradient: this rank's shard
             if grad is not None and grad.layout == torch.strided:
                 labels.append(label)
                 grads.append(grad)

@@ -199,6 +199,19 @@ class Inspector(ModuleHooks):
         """Names of the modules numguard stopped watching after an internal error (each warned)."""
         return [o.name for o in self._owners if o.off]
 
+    def set_step_counter(self, read, label: str = "global_step") -> None:
+        """Name a framework's own step next to the batch number in trip messages and reports:
+        `read()` returns it (e.g. ``lambda: trainer.state.global_step``); None removes it."""
+        if read is not None and not callable(read):
+            raise TypeError(f"numguard: set_step_counter(read={read!r}) needs a callable (or None)")
+        self._reporter.step_counter = None if read is None else (str(label), read)
+
+    def worst_headroom(self) -> float:
+        """The largest abs max of a float16/bfloat16/float8 tensor among the frames held now (the
+        last checked step's context), as a fraction of its dtype's largest finite value: 0.0 when
+        none is low precision, inf when one is non-finite. One device->host copy of the ring."""
+        return self._reporter.worst_headroom()
+
     def held(self) -> Held:
         """What the inspector holds now (its memory stays bounded however long a job runs)."""
         ring = self._ring

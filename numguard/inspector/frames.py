@@ -8,6 +8,7 @@ does not print (keyword inputs, the contents of containers it shows as "not a te
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import NamedTuple
 
 import torch
@@ -62,6 +63,15 @@ class Frame(NamedTuple):
     hf: bool                  # a module frame Transformers would print
     positions: list
     lowest: int
+
+
+def local_shard(tensor):
+    """A DTensor's local shard (FSDP2 / tensor-parallel parameters and gradients): numguard records
+    what this rank holds, never gathering the rest; any other tensor as it is."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(tensor, dtensor.DTensor):
+        return tensor.to_local()
+    return tensor
 
 
 def _key_label(prefix, key):

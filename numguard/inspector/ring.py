@@ -11,7 +11,7 @@ import weakref
 import torch
 
 from .. import ops, schema
-from .frames import Frame
+from .frames import Frame, local_shard
 
 MAX_RECORDS = 1 << 18   # records (16 MiB of float64[8]); older frames drop out beyond this
 _SEEN_LIMIT = 512       # tensors remembered for reuse within a batch
@@ -119,10 +119,10 @@ class FrameRing:
             try:
                 ops.record_(self.ring, self.state, new, pos, owner.headroom)
             except Exception:
-                if not clean or not any(x.is_meta or x.is_nested for x in fresh):
+                if not clean or not any(x.is_meta or x.is_nested or local_shard(x) is not x for x in fresh):
                     raise
                 # The quick screen above passes what only the op can reject (meta, nested
-                # tensors): record their values through sanitize instead of losing the frame.
+                # tensors, DTensors): record their values through sanitize instead of losing the frame.
                 new[:len(fresh)] = self.sanitize(fresh)
                 ops.record_(self.ring, self.state, new, pos, owner.headroom)
             self.pos = pos + n
@@ -151,7 +151,7 @@ class FrameRing:
         empty stand-in."""
         out = []
         for x in xs:
-            x = x.detach()
+            x = local_shard(x.detach())
             if x.is_meta:
                 out.append(torch.empty(0, device=self.device))
                 continue

@@ -29,6 +29,7 @@ class Reporter:
         self.trips = 0                    # trips handled (on_trip warn/dump go on after one)
         self.last_report = None
         self.trip_message = None          # the NonFiniteError text, when the caller wants its own
+        self.step_counter = None          # (label, read): a framework's step, shown next to the batch
 
     # -- report dictionaries ---------------------------------------------------------------------
     def frame_record(self, f, host_ring, tables, valid_end):
@@ -145,8 +146,11 @@ class Reporter:
             ranks = coordination.gather_trip_details(module if status.tripped else None,
                                                      batch if batch is not None else status.found_at,
                                                      tripped=status.tripped)
+        step = self._framework_step()
         if report is not None:
             report["ranks"] = [list(r) for r in ranks]
+            if step is not None:
+                report["framework_step"] = {"name": step[0], "value": step[1]}
         self.last_report = report
         self.ring.reset_after_trip()
         rank = checks.rank()
@@ -158,7 +162,8 @@ class Reporter:
             msg = self.trip_message
         elif report is not None:
             on_rank = f" on rank {rank}" if rank is not None else ""
-            msg = (f"numguard: inf/nan detected{on_rank} during batch_number={report['batch']} in "
+            step_text = f" ({step[0]}={step[1]})" if step is not None else ""
+            msg = (f"numguard: inf/nan detected{on_rank} during batch_number={report['batch']}{step_text} in "
                    f"{module if module else '(root module)'} ({report['class']}) "
                    f"[{', '.join(labels)}]; the report above shows the frames that led to it")
         else:
@@ -181,6 +186,18 @@ class Reporter:
                 msg += (f"; could not write the dump file ({type(exc).__name__}: {exc}): fix "
                         f"dump_dir={self.options.dump_dir!r}")
         warnings.warn(msg, NonFiniteWarning, stacklevel=5)
+
+    def _framework_step(self):
+        """(label, value) of the step counter, or None; a counter that cannot be read is skipped
+        (it must never hide the trip)."""
+        if self.step_counter is None:
+            return None
+        label, read = self.step_counter
+        try:
+            value = read()
+        except Exception:
+            return None
+        return None if value is None else (label, value)
 
     def emit(self, text):
         """Print a report or trace to report_to; a failing target never hides the trip."""
@@ -243,6 +260,23 @@ class Reporter:
                       f"{dmax:.6g} (headroom={self.options.headroom}); it may overflow soon: consider loss "
                       "scaling, a wider dtype for this module, or smaller activations", HeadroomWarning,
                       stacklevel=5)
+
+    def worst_headroom(self) -> float:
+        """See Inspector.worst_headroom."""
+        ring = self.ring
+        wanted = [(position % ring.size, LOW_PRECISION_MAX[dtype])
+                  for f in ring.frames for dtype, position in zip(f.dtypes, f.positions)
+                  if dtype in LOW_PRECISION_MAX and ring.valid(position, ring.pos)]
+        if not wanted:
+            return 0.0
+        host = ring.host_copy()
+        worst = 0.0
+        for row, dmax in wanted:
+            record = host[row]
+            if record[schema.NAN] + record[schema.POS_INF] + record[schema.NEG_INF] > 0:
+                return float("inf")
+            worst = max(worst, float(record[schema.ABS_MAX]) / dmax)
+        return worst
 
     # -- trace mode ------------------------------------------------------------------------------
     def print_trace(self, batch):

@@ -10,6 +10,7 @@ import weakref
 import torch
 
 from .. import ops, schema
+from .frames import local_shard
 from .ring import WEIGHT_HEADROOM, outside_inference_mode
 
 # Largest finite value of each dtype whose headroom numguard watches (numguard.schema).
@@ -90,8 +91,9 @@ class WeightTable:
             self._cache = None
             layout = self.layout
         with torch.no_grad():
-            stats = ops.multi_tensor_stats(unique) if layout["one_device"] else torch.cat(
-                [ops.tensor_stats(p).to(ring.device).view(1, -1) for p in unique])
+            tensors = [local_shard(p) for p in unique]
+            stats = ops.multi_tensor_stats(tensors) if layout["one_device"] else torch.cat(
+                [ops.tensor_stats(p).to(ring.device).view(1, -1) for p in tensors])
         self.tables[batch] = (stats, layout)
         bad = (stats[:, schema.NAN] + stats[:, schema.POS_INF] + stats[:, schema.NEG_INF]) > 0
         per_ref = torch.where(bad, math.nan, 0.0).to(torch.float32).index_select(0, layout["wi"])

@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from .. import env, schema
+from .. import env
 from ..errors import InspectorWarning
 from ..inspector import core
 
@@ -15,8 +15,6 @@ from ..inspector import core
 # (a backward= argument or NUMGUARD_BACKWARD).
 DEFAULTS = dict(env.WATCH_DEFAULTS, backward=True)
 
-_LOW_PRECISION_MAX = {getattr(torch, name): float(info.max) for name, info in schema.DTYPES.items()
-                      if info.low_precision and hasattr(torch, name)}
 
 
 def resolve_options(options: dict) -> dict:
@@ -25,53 +23,13 @@ def resolve_options(options: dict) -> dict:
     return env.resolve_watch_options(dict(options), defaults=DEFAULTS)
 
 
-class StepInspector(core.Inspector):
-    """An Inspector whose trip message and report also give the framework's step counter.
-
-    Args:
-        model: the module the framework runs (unwrapped).
-        step: a callable returning the framework's step now (e.g. Trainer.state.global_step),
-            or None.
-        step_label: how the step is named in messages, e.g. "Trainer global_step".
-        options: resolved watch() options.
-    """
-
-    def __init__(self, model, step=None, step_label="global_step", **options):
-        self._step = step
-        self.step_label = step_label
-        super().__init__(model, **options)
-
-    def framework_step(self):
-        """The framework's step counter now, or None when it cannot be read."""
-        if self._step is None:
-            return None
-        try:
-            value = self._step()
-            return int(value) if value is not None else None
-        except Exception:  # a counter numguard cannot read must not hide the trip
-            return None
-
-    def _trip_reported(self, report, frames_after):
-        step = self.framework_step()
-        reporter = getattr(self, "_reporter", None)
-        if reporter is None or not hasattr(reporter, "trip_message"):
-            return
-        if step is None:
-            reporter.trip_message = None
-            return
-        report["framework_step"] = {"name": self.step_label, "value": step}
-        rank = report.get("rank")
-        on_rank = f" on rank {rank}" if rank is not None else ""
-        module = report.get("module") or "(root module)"
-        reporter.trip_message = (
-            f"numguard: inf/nan detected{on_rank} during batch_number={report['batch']} "
-            f"({self.step_label}={step}) in {module} ({report.get('class', '')}) "
-            f"[{', '.join(report.get('labels') or [])}]; the report above shows the frames that led to it")
-
-
-def watch(model, options: dict, step=None, step_label="global_step") -> StepInspector:
-    """A StepInspector on `model` with the integration's option resolution."""
-    return StepInspector(model, step=step, step_label=step_label, **resolve_options(options))
+def watch(model, options: dict, step=None, step_label="global_step") -> core.Inspector:
+    """An Inspector on `model` with the integration's option resolution; `step()` (the
+    framework's step counter) is named next to the batch number in trip messages and reports."""
+    inspector = core.Inspector(model, **resolve_options(options))
+    if step is not None:
+        inspector.set_step_counter(step, step_label)
+    return inspector
 
 
 def unwrap(model):
@@ -134,24 +92,7 @@ def numerics_summary(inspector) -> dict:
 def worst_headroom(inspector):
     """See numerics_summary; None when numguard cannot read it (it never raises)."""
     try:
-        ring = inspector._ring
-        frames = list(ring.frames)
-        wanted = []
-        for f in frames:
-            for dtype, position in zip(f.dtypes, f.positions):
-                dmax = _LOW_PRECISION_MAX.get(dtype)
-                if dmax is not None and position >= ring.pos - ring.size:
-                    wanted.append((position % ring.size, dmax))
-        if not wanted:
-            return 0.0
-        host = ring.host_copy()
-        worst = 0.0
-        for row, dmax in wanted:
-            record = host[row]
-            if record[schema.NAN] + record[schema.POS_INF] + record[schema.NEG_INF] > 0:
-                return float("inf")
-            worst = max(worst, float(record[schema.ABS_MAX]) / dmax)
-        return worst
+        return inspector.worst_headroom()
     except Exception:
         return None
 
