@@ -43,11 +43,7 @@ def activate():
     if _activated:
         return
     _activated = True
-    torch = sys.modules.get("torch")
-    if torch is not None and getattr(getattr(torch, "__spec__", None), "_initializing", False) is False:
-        _on_torch_imported()
-        return
-    sys.meta_path.insert(0, _TorchImportFinder())
+    _after_import("torch", _on_torch_imported)
 
 
 def auto_watcher():
@@ -55,12 +51,17 @@ def auto_watcher():
     return _watcher
 
 
-class _TorchImportFinder:
-    """A meta path finder that finds nothing itself: when ``torch`` is about to be imported it asks
-    the other finders for torch's spec and makes its loader call us back after torch's module ran."""
+class _AfterImportFinder:
+    """A meta path finder that finds nothing itself: when module `name` is about to be imported
+    it asks the other finders for its spec and makes its loader call `callback` after the module
+    ran (then steps aside)."""
+
+    def __init__(self, name, callback):
+        self.name = name
+        self.callback = callback
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != "torch":
+        if fullname != self.name:
             return None
         try:
             sys.meta_path.remove(self)
@@ -72,22 +73,43 @@ class _TorchImportFinder:
         loader = getattr(spec, "loader", None)
         original = getattr(loader, "exec_module", None)
         if original is None:
-            sys.stderr.write("numguard: NUMGUARD=1 is set but torch's import cannot be followed; "
+            sys.stderr.write(f"numguard: NUMGUARD=1 is set but the import of {fullname} cannot be followed; "
                              "call numguard.watch(model) in the script instead\n")
             return spec
+        callback = self.callback
 
         def exec_module(module):
             try:
                 original(module)
             finally:
                 try:
-                    del loader.exec_module  # the loader is torch's own; leave it as it was
+                    del loader.exec_module  # the loader is the module's own; leave it as it was
                 except AttributeError:
                     pass
-            _on_torch_imported()
+            callback()
 
         loader.exec_module = exec_module
         return spec
+
+
+def _after_import(name, callback):
+    """Call `callback` once module `name` is imported (now, if it already is)."""
+    module = sys.modules.get(name)
+    if module is not None and getattr(getattr(module, "__spec__", None), "_initializing", False) is False:
+        callback()
+        return
+    sys.meta_path.insert(0, _AfterImportFinder(name, callback))
+
+
+def _serve_transformers_debug():
+    """Trainer(debug="underflow_overflow") in a NUMGUARD=1 job: numguard's detector alone."""
+    try:
+        from numguard.integrations import transformers as integration
+        integration.serve_debug_option()
+    except Exception as exc:  # numguard's failure must not kill the job
+        import warnings
+        warnings.warn(f"numguard: could not take over Transformers' debug option ({type(exc).__name__}: "
+                      f"{exc}); with debug='underflow_overflow' both detectors run", RuntimeWarning, stacklevel=2)
 
 
 def _on_torch_imported():
@@ -107,10 +129,14 @@ def _on_torch_imported():
     if _watcher is None:
         _watcher = AutoWatcher(env.settings_from_env())
         _watcher.install()
+    _after_import("transformers.trainer", _serve_transformers_debug)
     if env.dist_settings_from_env()["dist_check"]:
         try:
             from numguard import distributed
+            from numguard.integrations import accelerate as accelerate_integration
             distributed.guard_collectives()
+            # Accelerate's debug mode would exchange the same shapes again: numguard's check only.
+            accelerate_integration.prefer_numguard_collective_check()
         except Exception as exc:  # numguard's failure must not kill the job
             import warnings
             warnings.warn(f"numguard: NUMGUARD_DIST_CHECK=1 but the collective checks could not be "

@@ -384,3 +384,25 @@ def test_torchrun_two_ranks(job_env):
     for rank in range(2):
         assert text.count(f"numguard.errors.NonFiniteError: numguard: inf/nan detected on rank {rank} "
                           "during batch_number=1 in module.3 (Linear) [output]") == 1
+
+
+def test_trainer_debug_option_is_served_by_numguard_alone(job_env):
+    code = """
+import torch
+import transformers.trainer as trainer_module
+print(getattr(trainer_module.DebugUnderflowOverflow, "__numguard_serves__", False))
+"""
+    out = run(["-c", code], job_env(NUMGUARD="1"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
+    off = run(["-c", code], job_env())
+    assert off.returncode == 0, off.stderr
+    assert off.stdout.strip() == "False"
+
+
+def test_dist_check_turns_accelerate_debug_mode_off(job_env):
+    code = "import os, torch; print(os.environ.get('ACCELERATE_DEBUG_MODE'))"
+    out = run(["-c", code], job_env(NUMGUARD="1", NUMGUARD_DIST_CHECK="1", ACCELERATE_DEBUG_MODE="1"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0"
+    assert "checked by numguard's collective check only" in out.stderr
