@@ -20,7 +20,6 @@ class CheckStatus(NamedTuple):
     others: list          # every rank's trip flag (empty outside a cross-rank exchange)
     boundary: int         # frames recorded when the state was read
     found_at: int         # the batch being run when it was read
-    late: bool            # read one check after it was copied (check="async")
 
     @property
     def tripped(self) -> bool:
@@ -119,13 +118,13 @@ class FlagReader:
         self.where = where
         src, shared = self._source()
         values = src.tolist()  # the one device->host read of a checked batch
-        return CheckStatus(values[:8], values[8:] if shared else [], len(self.ring.frames), batch, False)
+        return CheckStatus(values[:8], values[8:] if shared else [], len(self.ring.frames), batch)
 
     def read_local(self, where, batch) -> CheckStatus:
         """One device->host read of this rank's state only (outside the ranks' common checks)."""
         self.where = where
         values = self.ring.state_buf.tolist()
-        return CheckStatus(values[:8], [], len(self.ring.frames), batch, False)
+        return CheckStatus(values[:8], [], len(self.ring.frames), batch)
 
     def read_async(self, where, batch):
         """The status copied at the previous check (None if none is pending); issues a new copy."""
@@ -137,7 +136,7 @@ class FlagReader:
             values = [int(v) for v in self._host_np]
             n, _ = self.pending
             self.pending = None
-            status = CheckStatus(values[:8], values[8:], n, batch, True)
+            status = CheckStatus(values[:8], values[8:], n, batch)
         return status
 
     def issue_async_copy(self, batch):
