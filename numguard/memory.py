@@ -475,6 +475,7 @@ class _Finder:
         self.margin, self.global_batch = margin, global_batch
         self.batch_size = starting           # where the next call starts (Accelerate's state)
         self.succeeded = False
+        self.tried = []
         self.logger = None
         self.leading = 2 if global_batch is not None else 1
         self.options = {}   # the decorated function's attributes (retry_after_success)
@@ -543,6 +544,7 @@ class _Finder:
                                   f"pass a multiple of the world size ({world})", where=_WHERE)
             per_rank = self.global_batch // world
         search = _Search(self, per_rank)
+        self.tried = search.tried   # this call's [(size, outcome)], for the caller to inspect
         size = search.snap(self.batch_size)
         if ex is not None:  # every rank starts from the smallest starting size
             size = min(r[1] for r in ex.round(_START, size))

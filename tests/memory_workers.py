@@ -76,6 +76,37 @@ def _result(folder, rank):
         return json.load(f)
 
 
+def tensors_alive_at_each_try(decorate, limit=16):
+    """Decorate a function that keeps its activations in a frame the error's traceback holds
+    (``except ... as err: saved = err; raise``, a cycle only the collector breaks) and runs out
+    of memory above ``limit``; returns how many earlier tries' activations are still alive as
+    each try starts. Automatic collection is off meanwhile: the release must not rely on it."""
+    import gc
+    import weakref
+
+    refs, alive = [], []
+
+    @decorate
+    def train(batch_size):
+        alive.append(sum(r() is not None for r in refs))
+        activations = torch.ones(batch_size, 1024)
+        refs.append(weakref.ref(activations))
+        try:
+            if batch_size > limit:
+                raise torch.OutOfMemoryError("CUDA out of memory. (simulated)")
+        except torch.OutOfMemoryError as err:
+            saved = err  # noqa: F841
+            raise
+        return batch_size
+
+    gc.disable()
+    try:
+        train()
+    finally:
+        gc.enable()
+    return alive
+
+
 def _oom(size, rank):
     return torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {size} MiB (simulated, "
                                   f"rank {rank})")

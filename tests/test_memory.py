@@ -5,11 +5,9 @@ message) above a size limit. The two-rank cases run in ONE launch of tests/memor
 (gloo on loopback, under a hard timeout), which returns every scenario's result per rank."""
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import sys
-import weakref
 
 import pytest
 import torch
@@ -153,6 +151,7 @@ def test_found_size_is_remembered_and_a_later_oom_is_raised():
     assert train() == 32
     tried.clear()
     assert train() == 32 and tried == [32]      # starts from the found size
+    assert train.finder.tried == [(32, "ok")]
     limit[0] = 10
     with pytest.raises(torch.OutOfMemoryError):
         train()                                  # not silently retried after a success
@@ -239,27 +238,8 @@ def test_bad_arguments_name_the_value_and_what_is_accepted(kwargs, name):
 # memory really freed between tries
 
 def test_retry_does_not_see_the_previous_tries_tensors():
-    gc.disable()  # the release must not depend on an automatic collection happening
-    try:
-        refs, alive_at_start = [], []
-
-        @numguard.find_executable_batch_size(starting_batch_size=64)
-        def train(batch_size):
-            alive_at_start.append(sum(r() is not None for r in refs))
-            activations = torch.ones(batch_size, 1024)
-            refs.append(weakref.ref(activations))
-            try:
-                if batch_size > 16:
-                    raise torch.OutOfMemoryError("CUDA out of memory.")
-            except torch.OutOfMemoryError as err:   # a common pattern: the frame holds err
-                saved = err  # noqa: F841 - a cycle: err -> traceback -> this frame -> saved -> err
-                raise
-            return batch_size
-
-        assert train() == 16
-        assert alive_at_start == [0, 0, 0]
-    finally:
-        gc.enable()
+    decorate = numguard.find_executable_batch_size(starting_batch_size=64)
+    assert memory_workers.tensors_alive_at_each_try(decorate, limit=16) == [0, 0, 0]
 
 
 def test_retry_line_and_summary_are_logged(caplog):
