@@ -500,7 +500,7 @@ class _Finder:
         except BatchSizeTimeoutError:
             failures = ex.known_failures()
         peer_oom = any(c in (_OOM, _OOM_FINAL) for r, (c, _) in failures.items() if r != ex.rank)
-        broken = ex.aborted or gone or isinstance(exc, torch.distributed.DistError)
+        broken = ex.aborted or gone or isinstance(exc, getattr(torch.distributed, "DistError", ()))
         if peer_oom and broken:
             failures[ex.rank] = (code, text)
             return _peer_error(failures)
@@ -628,7 +628,9 @@ class _Finder:
         tried = ", ".join(f"{s} ({o})" for s, o in search.tried)
         accum = f" x {per_rank // search.best} accumulation steps x {world} ranks = " \
                 f"{self.global_batch}" if per_rank is not None else ""
-        self._log("info", f"batch size {search.best}{accum} fits; tried {tried}")
+        # Shown by default when the size differs from the one asked for.
+        level = "warning" if len(search.tried) > 1 else "info"
+        self._log(level, f"batch size {search.best}{accum} fits; tried {tried}")
         return best_result
 
     @staticmethod

@@ -174,7 +174,29 @@ def scenario_ddp_backward(rank, world):
             raise
 
     result = train()
-    return {"tried": tried, "size": train.finder.batch_size, "result": result, "ooms": ooms[0]}
+    # outside a search the hook is DDP's default all_reduce: same gradients as without it
+    hook_alone = ddp_step(16, rank, 1000, guard=True) == ddp_step(16, rank, 1000, guard=False)
+    return {"tried": tried, "size": train.finder.batch_size, "result": result, "ooms": ooms[0],
+            "hook_alone_matches": hook_alone}
+
+
+def scenario_after_success(rank, world):
+    """A size that ran once, then runs out of memory on rank 1: raised, not retried."""
+    import numguard
+
+    limit, calls = [100], []
+
+    @numguard.find_executable_batch_size(starting_batch_size=32)
+    def train(batch_size):
+        calls.append(batch_size)
+        if batch_size > limit[0]:
+            raise _oom(batch_size, rank)
+        return batch_size
+
+    first = train()
+    if rank == 1:
+        limit[0] = 10
+    return {"first": first, "second": _catch(train), "calls": calls}
 
 
 def scenario_global_batch(rank, world):
@@ -257,7 +279,8 @@ def scenario_stuck(rank, world):
 
 def scenario_all(rank, world):
     out = {}
-    for name in ("ddp_backward", "global_batch", "non_oom", "binary", "minimum", "stuck"):
+    for name in ("ddp_backward", "global_batch", "non_oom", "after_success", "binary", "minimum",
+                 "stuck"):
         out[name] = globals()["scenario_" + name](rank, world)
     return out
 

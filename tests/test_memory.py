@@ -269,6 +269,16 @@ def test_ddp_backward_oom_on_one_rank_both_ranks_agree(two_ranks):
     assert r0["size"] == r1["size"] == 32
     assert r0["result"] == r1["result"]          # same all-reduced gradients
     assert r1["ooms"] == 2 and r0["ooms"] == 0
+    assert r0["hook_alone_matches"] and r1["hook_alone_matches"]
+
+
+def test_oom_after_success_is_raised_on_every_rank(two_ranks):
+    r0, r1 = (r["after_success"] for r in two_ranks)
+    assert r0["first"] == r1["first"] == 32
+    assert r1["second"]["exc"] == "OutOfMemoryError"
+    assert r0["second"]["exc"] == "PeerFailedError" and r0["second"]["rank"] == 1
+    assert r0["second"]["oom"]
+    assert r0["calls"] == r1["calls"] == [32, 32]     # the second call was not retried smaller
 
 
 def test_global_batch_on_two_ranks(two_ranks):
