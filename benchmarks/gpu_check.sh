@@ -88,7 +88,7 @@ phase "CUDA graph + reference" 120 "$PY" benchmarks/cuda_graph_check.py
 # A step needing 2 x batch x 64 MiB under a 2% memory fraction: binary search must end on a size
 # that ran whose next size up failed with a real torch.OutOfMemoryError, and every try must start
 # with the previous tries' activations freed.
-phase "batch finder on CUDA" 90 "$PY" - <<'PYEOF'
+phase "batch finder on CUDA" 60 "$PY" - <<'PYEOF'
 import torch, numguard
 frac, per = 0.02, 64 << 20
 torch.cuda.set_per_process_memory_fraction(frac)

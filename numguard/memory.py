@@ -23,7 +23,13 @@ when the caller passes the batch size, ``reduce_batch_size_fn()`` honoured), and
   ``global_batch_size`` (the function is then called as ``f(batch_size, accumulation_steps, ...)``).
 - The size found is remembered: the next call starts from it, and an out-of-memory error after a
   successful run is re-raised (set ``.retry_after_success = True`` on the decorated function, or
-  call its ``.reset()``, to search again).
+  call its ``.reset()``, to search again). ``.finder.tried`` lists the last call's sizes.
+
+Build the model, optimizer and DDP wrapper inside the decorated function, as with Accelerate: a
+failed try leaves DDP's reducer in the middle of a step. While the function runs, guard_ddp's hook
+adds one small gloo all_gather per gradient bucket and a watchdog thread reads the store every
+NUMGUARD_DIST_TIMEOUT/20 seconds (0.2 to 5). After a timeout the default process group is
+destroyed or aborted on the ranks involved (see NOTE: [stuck ranks]): the job cannot continue.
 """
 from __future__ import annotations
 
