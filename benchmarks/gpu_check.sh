@@ -84,6 +84,38 @@ for op in ('tensor_stats', 'multi_tensor_stats', 'record_'):
 # (before the test suite, so that a slow suite cannot squeeze it out of the time budget)
 phase "CUDA graph + reference" 120 "$PY" benchmarks/cuda_graph_check.py
 
+# --- 2b. batch-size finder on real CUDA out-of-memory errors ------------------------------------
+# A step needing 2 x batch x 64 MiB under a 2% memory fraction: binary search must end on a size
+# that ran whose next size up failed with a real torch.OutOfMemoryError, and every try must start
+# with the previous tries' activations freed.
+phase "batch finder on CUDA" 60 "$PY" - <<'PYEOF'
+import torch, numguard
+frac, per = 0.02, 64 << 20
+torch.cuda.set_per_process_memory_fraction(frac)
+cap = int(frac * torch.cuda.get_device_properties(0).total_memory)
+try:
+    torch.empty(2 * cap, dtype=torch.uint8, device="cuda")
+    raise SystemExit("allocating twice the cap did not fail")
+except torch.OutOfMemoryError as exc:
+    assert numguard.is_out_of_memory(exc), exc
+at_start = []
+@numguard.find_executable_batch_size(starting_batch_size=4096, search="binary")
+def step(batch_size):
+    at_start.append(torch.cuda.memory_allocated())
+    x = torch.ones(batch_size, per // 4, device="cuda")
+    y = x * 2
+    return batch_size, y[:, :8].sum().item()
+size, total = step()
+tried = step.finder.tried
+print("cap", cap >> 20, "MiB; found", size, "; tried", tried)
+assert total == 16 * size, total
+assert 2 * size * per <= cap, "the size found does not fit the cap"
+assert (size + 1, "out of memory") in tried, "the next size up was not shown to fail"
+assert max(at_start) < (1 << 20), f"a try started with earlier activations alive: {at_start}"
+assert step() == (size, total) and step.finder.tried == [(size, "ok")], "found size not remembered"
+print("batch finder on CUDA: ok")
+PYEOF
+
 # --- 3. tests ----------------------------------------------------------------------------------
 if ! "$PY" -c "import pytest" 2>/dev/null; then
   echo "+++ gpu_check: pytest is not installed for $PY; the test phases will fail (the CUDA graph and"

@@ -8,9 +8,11 @@ from .ops import STAT_FIELDS, backend, multi_tensor_stats, record_, tensor_stats
 from .errors import NonFiniteError
 from .inspector import DebugUnderflowOverflow, Inspector, detect_overflow, watch
 from . import dump  # noqa: E402  (numguard.dump.load / render_file for dump files)
+from .memory import find_executable_batch_size, is_out_of_memory  # noqa: E402
 
 __all__ = ["STAT_FIELDS", "backend", "multi_tensor_stats", "record_", "tensor_stats",
-           "watch", "Inspector", "DebugUnderflowOverflow", "detect_overflow", "NonFiniteError"]
+           "watch", "Inspector", "DebugUnderflowOverflow", "detect_overflow", "NonFiniteError",
+           "find_executable_batch_size", "is_out_of_memory"]
 __version__ = "0.1.0"
 
 
