@@ -25,6 +25,10 @@ def _pattern(n, shift):
     return ((torch.arange(n, dtype=torch.int64) + shift) % 3) - 1
 
 
+def _name(dtype):
+    return str(dtype).replace("torch.", "")
+
+
 def _compare(got, expected):
     """None when equal, else a short description of the first difference."""
     got64, exp64 = got.to(torch.float64).cpu(), expected.to(torch.float64).cpu()
@@ -42,7 +46,7 @@ class _Checker:
         self.records = []
 
     def record(self, name, op, dtype, elements, run):
-        entry = {"name": name, "op": op, "dtype": str(dtype).replace("torch.", "") if dtype else None,
+        entry = {"name": name, "op": op, "dtype": _name(dtype) if dtype else None,
                  "elements": elements, "ok": True, "error": None, "skipped": None}
         try:
             problem = run()
@@ -60,7 +64,7 @@ class _Checker:
         ctx = self.ctx
         t = _pattern(n, ctx.rank).to(dtype).to(ctx.device)
         expected = sum(_pattern(n, r) for r in range(ctx.world)).to(dtype)
-        ctx.step(f"all_reduce sum {dtype} x{n}",
+        ctx.step(f"all_reduce sum {_name(dtype)} x{n}",
                  lambda: [dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True)])
         return _compare(t, expected)
 
@@ -103,9 +107,9 @@ def run_checks(ctx):
     counts = ELEMENT_COUNTS["cuda" if ctx.device.type == "cuda" else "cpu"]
     for dtype in _DTYPES:
         for n in counts:
-            name = f"all_reduce sum {str(dtype).replace('torch.', '')} x{n}"
+            name = f"all_reduce sum {_name(dtype)} x{n}"
             if ctx.world > _EXACT_UP_TO.get(dtype, ctx.world):
-                c.records.append({"name": name, "op": "all_reduce", "dtype": str(dtype)[6:],
+                c.records.append({"name": name, "op": "all_reduce", "dtype": _name(dtype),
                                   "elements": n, "ok": True, "error": None,
                                   "skipped": f"sums of {ctx.world} ranks are not exact in {dtype}"})
                 continue

@@ -34,14 +34,20 @@ class DoctorError(RuntimeError):
 
 
 class StepTimeout(DoctorError):
-    """A step did not finish on this rank within its timeout."""
+    """A step did not finish on this rank within its timeout.
 
-    def __init__(self, step, timeout, not_entered, not_finished):
+    ``stuck``: ranks inside the step that are not waiting for anyone (the likely cause: hung in
+    their own work or in issuing a collective); ``waiting``: ranks whose part is issued and that
+    wait for the others; ``not_started``: ranks that never reached the step.
+    """
+
+    def __init__(self, step, timeout, not_started, stuck, waiting):
         self.step, self.timeout = step, timeout
-        self.not_entered, self.not_finished = not_entered, not_finished
+        self.not_started, self.stuck, self.waiting = not_started, stuck, waiting
         super().__init__(
-            f"step {step!r} did not finish within {timeout:g} s: ranks that never started it: "
-            f"{not_entered}; ranks that started but did not finish: {not_finished}")
+            f"step {step!r} did not finish within {timeout:g} s: ranks that never reached it: "
+            f"{not_started}; ranks inside it that stopped making progress: {stuck}; ranks "
+            f"waiting for them: {waiting}")
 
 
 _UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": 1024 ** 2, "MB": 1024 ** 2,
@@ -176,22 +182,35 @@ class Context:
         Returns the ``time.perf_counter()`` at which the last work completed.
         """
         works = [w for w in (works if isinstance(works, (list, tuple)) else [works]) if w is not None]
+        timeout = self.timeout if timeout is None else timeout
+        if time.monotonic() > deadline:
+            # This rank itself took the whole step's time before its part was even issued: the
+            # others have given up on it (and rank 0's store may be gone), so ask nobody.
+            raise StepTimeout(name, timeout, "unknown", [self.rank], "unknown (they gave up)")
         if self._waiter is None:
             self._waiter = _Waiter(self.device)
         job = self._waiter.submit(works)
         if not job.done.wait(max(0.0, deadline - time.monotonic())):
-            tag = tag or f"{self._step}"
-            raise StepTimeout(name, timeout if timeout is not None else self.timeout,
-                              self._ranks_without("entered", tag), self._ranks_without("done", tag))
+            raise self._timed_out(name, tag or f"{self._step}", timeout)
         if job.error is not None:
             raise job.error
         return job.finished
 
-    def _ranks_without(self, kind, tag):
+    def _timed_out(self, name, tag, timeout):
+        """Sort the ranks by where they are: a rank that waits says so; the rest are stuck."""
         try:
-            return [r for r in range(self.world) if not self.store.check([self._key(kind, tag, r)])]
+            self.store.set(self._key("waiting", tag, self.rank), "1")
+            # The other waiting ranks reach their deadlines a little later (they entered later).
+            time.sleep(min(2.0, max(0.2, timeout / 4)))
+            has = {kind: {r for r in range(self.world) if self.store.check([self._key(kind, tag, r)])}
+                   for kind in ("entered", "waiting", "done")}
         except Exception:  # noqa: BLE001 - the store host (rank 0) may be gone
-            return ["unknown: the store on rank 0 is unreachable"]
+            return StepTimeout(name, timeout, "unknown (the store on rank 0 is unreachable)",
+                               "unknown", [self.rank])
+        every = set(range(self.world))
+        return StepTimeout(name, timeout, sorted(every - has["entered"]),
+                           sorted(has["entered"] - has["waiting"] - has["done"]),
+                           sorted(has["waiting"]))
 
     def _key(self, *parts):
         return "/".join([self.prefix] + [str(p) for p in parts if p is not None])

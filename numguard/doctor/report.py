@@ -48,8 +48,8 @@ def render(result):
                      f"{result['missing_ranks']} (arrived: "
                      + ", ".join(f"{r}@{h}" for r, h in sorted(result["arrived"].items(),
                                                                key=lambda kv: int(kv[0]))) + ")")
-    for t in result["timeouts"]:
-        lines.append(f"TIMEOUT on rank {t['rank']}: {t['message']}")
+    for t in result["failures"]:
+        lines.append(f"{t['kind'].upper()} on rank {t['rank']}: {t['message']}")
     if result["facts"]:
         lines += ["", "Ranks:"]
         lines += ["  " + s for s in _table([h for h, _ in TABLE_COLUMNS],

@@ -78,7 +78,7 @@ def _output(ctx, result, options):
     code = 1 if result["status"] != "healthy" else 0
     result["exit_status"] = code
     if ctx.rank != 0:
-        for t in result["timeouts"]:
+        for t in result["failures"]:
             sys.stderr.write(f"numguard doctor: rank {ctx.rank}: {t['message']}\n")
         return code
     sys.stdout.write(report.render(result))
@@ -108,7 +108,7 @@ def run(options):
     ctx = start(options.timeout)
     result = {"schema": SCHEMA_ID, "status": "healthy", "world_size": ctx.world,
               "backend": None, "options": dataclasses.asdict(options), "missing_ranks": [],
-              "arrived": {}, "timeouts": [], "facts": [], "findings": [], "checks": [],
+              "arrived": {}, "failures": [], "facts": [], "findings": [], "checks": [],
               "performance": None, "nccl_debug": None, "nccl_logs": [], "started_unix": time.time()}
     if options.nccl_debug:
         result["nccl_debug"] = _setup_nccl_debug(ctx, options)
@@ -133,13 +133,16 @@ def run(options):
         _examine(ctx, result, options)
     except StepTimeout as exc:
         result["status"] = "failed"
-        result["timeouts"].append({"rank": ctx.rank, "step": exc.step, "message": str(exc),
-                                   "not_started": exc.not_entered, "not_finished": exc.not_finished})
+        result["failures"].append({"rank": ctx.rank, "kind": "timeout", "step": exc.step,
+                                   "message": str(exc),
+                                   "not_started": exc.not_started, "stuck": exc.stuck,
+                                   "waiting": exc.waiting})
         _hard_exit(_output(ctx, result, options))
     except RuntimeError as exc:  # a collective failed (a peer died, a backend error)
         result["status"] = "failed"
-        result["timeouts"].append({"rank": ctx.rank, "step": None, "not_started": None,
-                                   "not_finished": None,
+        result["failures"].append({"rank": ctx.rank, "kind": "error", "step": None,
+                                   "not_started": None,
+                                   "stuck": None, "waiting": None,
                                    "message": f"a collective failed: {str(exc).splitlines()[0]}"})
         _hard_exit(_output(ctx, result, options))
     code = _output(ctx, result, options)
