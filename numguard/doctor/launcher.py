@@ -152,7 +152,9 @@ class Context:
             self.backend = "cpu:gloo,cuda:nccl"
         dist.init_process_group(self.backend, store=dist.PrefixStore(self.prefix + "/pg", self.store),
                                 rank=self.rank, world_size=self.world,
-                                timeout=datetime.timedelta(seconds=self.timeout))
+                                # Longer than a step's timeout: the step names the late ranks
+                                # before NCCL's watchdog would abort the process without a word.
+                                timeout=datetime.timedelta(seconds=2 * self.timeout + 10))
 
     def arrived_hosts(self):
         """``{rank: host}`` for the ranks whose arrival key is set (never blocks)."""

@@ -81,8 +81,10 @@ def _sweep_one(ctx, op, nbytes, iters):
 
 
 def _compute_probe(device):
-    a = torch.ones(512 if device.type == "cuda" else 128, 512 if device.type == "cuda" else 128,
-                   device=device)
+    # About a millisecond or two of fixed work on either device: long enough to time, short
+    # enough to repeat; ones stay ones, so no value can overflow.
+    n = 2048 if device.type == "cuda" else 128
+    a = torch.ones(n, n, device=device)
     for _ in range(8 if device.type == "cuda" else 4):
         a = torch.mm(a, a) * (1.0 / a.shape[0])
     if device.type == "cuda":
