@@ -110,6 +110,7 @@ class Context:
         self.backend = "gloo"
         self._step = 0
         self._waiter = None
+        self.arrived = {}  # rank -> host of the ranks that joined; rank 0 reads it in connect()
 
     # -- start-up ------------------------------------------------------------------------------
     def connect(self):
@@ -134,12 +135,19 @@ class Context:
         if self.rank == 0:
             missing = self._wait_for_keys("arrived", range(self.world), self.timeout)
             self.store.set(verdict_key, json.dumps(missing))
+            self.arrived = self._arrived_hosts()
         else:
             # Rank 0 publishes its verdict at most `timeout` after it arrived; allow as long again.
             if not self._wait_for_keys("verdict", [None], 2 * self.timeout + 5) == []:
                 raise DoctorError(f"rank {self.rank}: rank 0 published no start-up verdict within "
                                   f"{2 * self.timeout + 5:g} s; it may have died after it started")
             missing = json.loads(self.store.get(verdict_key))
+            self.store.set(self._key("ack", self.rank), "1")
+        if missing and self.rank == 0:
+            # The others leave on this verdict too; keep the store (this process) up until they
+            # have read it, or they would report an unreachable store instead of the missing ranks.
+            arrived = [r for r in range(1, self.world) if r not in missing]
+            self._wait_for_keys("ack", arrived, self.timeout)
         return missing
 
     def init_process_group(self):
@@ -156,7 +164,7 @@ class Context:
                                 # before NCCL's watchdog would abort the process without a word.
                                 timeout=datetime.timedelta(seconds=2 * self.timeout + 10))
 
-    def arrived_hosts(self):
+    def _arrived_hosts(self):
         """``{rank: host}`` for the ranks whose arrival key is set (never blocks)."""
         hosts = {}
         for r in range(self.world):

@@ -78,8 +78,8 @@ def render(result):
         lines += ["", "Bandwidth: not measured (one rank has no peer to exchange with)"]
     if perf.get("latency_s"):
         lat = perf["latency_s"]
-        lines += ["", f"Latency of a 1-element all_reduce: median {max(lat) * 1e6:.1f} us on the "
-                      f"slowest rank (per rank: {', '.join(f'{x * 1e6:.0f}' for x in lat)} us)"]
+        lines += ["", f"Latency of a 1-element all_reduce: {max(lat) * 1e6:.1f} us (median of the "
+                      f"slowest rank; per rank: {', '.join(f'{x * 1e6:.0f}' for x in lat)} us)"]
     if perf.get("stragglers"):
         s = perf["stragglers"]
         lines.append("Straggler probe (median per rank): arrives late by "

@@ -113,17 +113,14 @@ def run(options):
     if options.nccl_debug:
         result["nccl_debug"] = _setup_nccl_debug(ctx, options)
     missing = ctx.connect()
-    result["arrived"] = {str(r): h for r, h in ctx.arrived_hosts().items()}
-    ctx.store.set(ctx._key("ack", ctx.rank), "1")
+    result["arrived"] = {str(r): h for r, h in ctx.arrived.items()}
     if missing:
         result["missing_ranks"] = missing
         result["status"] = "failed"
         if ctx.rank in missing:
             raise DoctorError(f"rank {ctx.rank} arrived after the {options.timeout:g} s start-up "
                               f"timeout; the other ranks gave up on ranks {missing}")
-        if ctx.rank == 0:  # keep the store up until the others have read the verdict
-            ctx._wait_for_keys("ack", [int(r) for r in result["arrived"]], options.timeout)
-        else:
+        if ctx.rank != 0:
             sys.stderr.write(f"numguard doctor: rank {ctx.rank}: ranks that never joined within "
                              f"{options.timeout:g} s: {missing}\n")
         return _output(ctx, result, options)
