@@ -134,7 +134,8 @@ def _parser():
                                              "(torchrun --nproc_per_node N -m numguard doctor)")
     doc.add_argument("--json", metavar="FILE", help="write every fact, finding and figure here")
     doc.add_argument("--timeout", type=float, default=30.0, metavar="S",
-                     help="seconds to wait for every rank at start-up, and for each step (default 30)")
+                     help="seconds to wait for every rank at start-up, and for each step "
+                          "(default 30)")
     doc.add_argument("--sizes", nargs="+", metavar="SIZE",
                      help="bandwidth sweep sizes, e.g. 1K 1M 64M (default 1K..256M on CUDA, "
                           "1K..4M on CPU)")

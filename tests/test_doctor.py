@@ -24,7 +24,7 @@ FAST = ["--sizes", "1K", "16K", "--iters", "2"]
 
 
 def launch(world, args, faults=None, absent=(), timeout=150):
-    """Run the doctor on ``world`` ranks (leaving out ``absent``); returns {rank: (rc, out, err)}."""
+    """Run the doctor on ``world`` ranks but ``absent``; returns {rank: (rc, out, err)}."""
     port = free_port()
     procs = {}
     for r in range(world):
@@ -108,7 +108,8 @@ def test_nccl_debug_is_set_before_the_group_starts(healthy2):
     assert data["nccl_debug"]["folder"] == folder and os.path.isdir(folder)
     for f in data["facts"]:
         assert f["env"]["NCCL_DEBUG"] == "INFO"
-        assert f["env"]["NCCL_DEBUG_FILE"] == os.path.join(folder, f"rank{f['rank']}.{f['host']}.log")
+        log = os.path.join(folder, f"rank{f['rank']}.{f['host']}.log")
+        assert f["env"]["NCCL_DEBUG_FILE"] == log
     assert data["nccl_logs"] == []  # gloo only: NCCL never started, so it wrote no log
 
 
@@ -143,7 +144,8 @@ def test_json_schema_four_ranks_with_pairs_and_plot(tmp_path):
 
 def test_single_process_runs_without_torchrun(tmp_path):
     env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NUMGUARD")}
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                        "NUMGUARD")}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run([sys.executable, "-m", "numguard", "doctor", "--iters", "1"], env=env,
                          cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
@@ -275,8 +277,9 @@ def test_robust_outliers():
 
 def _gpu_facts(n, changes=None):
     base = {"host": "node", "device": "cuda:0", "device_model": "NVIDIA H100", "kernel": "6.5.0",
-            "memory_total": 80 * 1024 ** 3, "memory_free": 79 * 1024 ** 3, "shm_total": 64 * 1024 ** 3,
-            "torch": "2.13.0", "nccl": "2.27.3", "cuda": "12.8", "driver": "570.1", "python": "3.11.7",
+            "memory_total": 80 * 1024 ** 3, "memory_free": 79 * 1024 ** 3,
+            "shm_total": 64 * 1024 ** 3, "torch": "2.13.0", "nccl": "2.27.3", "cuda": "12.8",
+            "driver": "570.1", "python": "3.11.7",
             "device_uuid": None, "pci_bus_id": None, "env": {}}
     facts = []
     for r in range(n):
@@ -298,8 +301,9 @@ def test_mixed_models_memory_and_small_shm():
                                  "shm_total": 64 * 1024 ** 2}})
     by_code = {f["code"]: f for f in findings.from_facts(facts)}
     assert set(by_code) == {"mixed_models", "mixed_memory", "small_shm"}
-    assert "40.0 GiB" in by_code["mixed_memory"]["advice"] and by_code["mixed_memory"]["ranks"] == [1]
-    assert "64 MiB" in by_code["small_shm"]["title"] and "--shm-size" in by_code["small_shm"]["advice"]
+    memory, shm = by_code["mixed_memory"], by_code["small_shm"]
+    assert "40.0 GiB" in memory["advice"] and memory["ranks"] == [1]
+    assert "64 MiB" in shm["title"] and "--shm-size" in shm["advice"]
     assert findings.from_facts(_gpu_facts(2)) == []
 
 

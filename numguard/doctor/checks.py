@@ -75,7 +75,8 @@ class _Checker:
             return ((r % 4096) * 4096 + torch.arange(n) % 4096).to(torch.float32)
         out = torch.full((ctx.world * n,), -1.0, device=ctx.device)
         mine = values(ctx.rank).to(ctx.device)
-        ctx.step(f"all_gather float32 x{n}", lambda: [all_gather_single()(out, mine, async_op=True)])
+        ctx.step(f"all_gather float32 x{n}",
+                 lambda: [all_gather_single()(out, mine, async_op=True)])
         return _compare(out, torch.cat([values(r) for r in range(ctx.world)]))
 
     def broadcast(self, n, root):
@@ -115,7 +116,8 @@ def run_checks(ctx):
                 continue
             c.record(name, "all_reduce", dtype, n, lambda d=dtype, m=n: c.all_reduce(d, m))
     for n in counts:
-        c.record(f"all_gather float32 x{n}", "all_gather", torch.float32, n, lambda m=n: c.all_gather(m))
+        c.record(f"all_gather float32 x{n}", "all_gather", torch.float32, n,
+                 lambda m=n: c.all_gather(m))
     for root in sorted({0, ctx.world - 1}):
         n = counts[1]
         c.record(f"broadcast from rank {root} x{n}", "broadcast", torch.float32, n,

@@ -46,14 +46,16 @@ def _kernel(facts):
         return []
     kernels = sorted({facts[r]["kernel"] for r in old})
     return [_finding(
-        "warning", "old_kernel", f"Linux kernel {', '.join(kernels)} is older than 5.5 ({_where(facts, old)})",
+        "warning", "old_kernel",
+        f"Linux kernel {', '.join(kernels)} is older than 5.5 ({_where(facts, old)})",
         "Multi-process jobs on kernels before 5.5 are known to hang in collectives and in "
         "wait_for_everyone-style barriers (Accelerate warns below 5.5; distributions backport "
-        "fixes, so this is a risk, not a verdict). Fix: boot a 5.5+ kernel (e.g. the distribution's "
-        "HWE kernel). Without root: if a job hangs, rerun this doctor with NCCL_SHM_DISABLE=1, then "
-        "with NCCL_P2P_DISABLE=1, to see whether the shared-memory or peer-to-peer transport is at "
-        "fault (keep the one that helps; it costs some intra-node bandwidth), check the /dev/shm "
-        "size (the shm column; df -h /dev/shm) and use --nccl-debug to see where it stops.",
+        "fixes, so this is a risk, not a verdict). Fix: boot a 5.5+ kernel (e.g. the "
+        "distribution's HWE kernel). Without root: if a job hangs, rerun this doctor with "
+        "NCCL_SHM_DISABLE=1, then with NCCL_P2P_DISABLE=1, to see whether the shared-memory or "
+        "peer-to-peer transport is at fault (keep the one that helps; it costs some intra-node "
+        "bandwidth), check the /dev/shm size (the shm column; df -h /dev/shm) and use "
+        "--nccl-debug to see where it stops.",
         facts, old)]
 
 
@@ -92,9 +94,10 @@ def _shm(facts):
         f"/dev/shm holds only {', '.join(f'{s / 1024 ** 2:.0f} MiB' for s in sizes)} "
         f"({_where(facts, small)})",
         "NCCL's shared-memory transport and DataLoader workers use /dev/shm; when it fills they "
-        "crash with 'Bus error' or hang. In Docker run with --ipc=host or --shm-size=16g (Kubernetes: "
-        "an emptyDir with medium: Memory at /dev/shm); if you cannot, NCCL_SHM_DISABLE=1 avoids the "
-        "shared-memory transport at some intra-node bandwidth cost.", facts, small)]
+        "crash with 'Bus error' or hang. In Docker run with --ipc=host or --shm-size=16g "
+        "(Kubernetes: an emptyDir with medium: Memory at /dev/shm); if you cannot, "
+        "NCCL_SHM_DISABLE=1 avoids the shared-memory transport at some intra-node bandwidth "
+        "cost.", facts, small)]
 
 
 def _versions(facts):
@@ -127,9 +130,9 @@ def _collisions(facts):
                 "error", "device_collision",
                 f"Ranks {', '.join(map(str, ranks))} on {host} share one GPU ({ident}; "
                 f"CUDA_VISIBLE_DEVICES={', '.join(envs)})",
-                "Give each rank its own device: leave CUDA_VISIBLE_DEVICES unset under torchrun (each "
-                "rank uses cuda:LOCAL_RANK), or set it per rank; NCCL refuses two ranks on one GPU "
-                "and they would share its memory.", facts, ranks))
+                "Give each rank its own device: leave CUDA_VISIBLE_DEVICES unset under torchrun "
+                "(each rank uses cuda:LOCAL_RANK), or set it per rank; NCCL refuses two ranks on "
+                "one GPU and they would share its memory.", facts, ranks))
     return out
 
 
@@ -182,7 +185,8 @@ def performance(facts, straggle, pairs):
                                       for r, z in sorted(late.items())),
             "Every collective waits for this rank. Look for what else runs on that host (CPU "
             "contention, a data loader starved of cores, throttling, a busy network interface), "
-            "and compare its compute time in the straggler-probe line (a slow device shows there).", facts, list(late)))
+            "and compare its compute time in the straggler-probe line (a slow device shows "
+            "there).", facts, list(late)))
     slow = {int(r): z for r, z in straggle["slow_compute_ranks"].items()}
     if slow:
         med = statistics.median(straggle["compute_s"])
@@ -192,8 +196,8 @@ def performance(facts, straggle, pairs):
                 f"rank {r} on {facts[r]['host']} takes {straggle['compute_s'][r] * 1e3:.2f} ms "
                 f"(median {med * 1e3:.2f} ms, z={z:.1f})" for r, z in sorted(slow.items())),
             "The same fixed work is slower on this rank's device: check clocks and temperature "
-            "(nvidia-smi -q -d PERFORMANCE,TEMPERATURE), other processes on the device, and the CPU "
-            "affinity of the rank.", facts, list(slow)))
+            "(nvidia-smi -q -d PERFORMANCE,TEMPERATURE), other processes on the device, and the "
+            "CPU affinity of the rank.", facts, list(slow)))
     if pairs:
         links = [(pairs[i][j], i, j) for i in range(len(pairs)) for j in range(i + 1, len(pairs))
                  if pairs[i][j]]

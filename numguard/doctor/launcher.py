@@ -23,8 +23,8 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["Context", "DoctorError", "StepTimeout", "all_gather_single", "gather_json", "parse_sizes", "reduce_scatter_single",
-           "start"]
+__all__ = ["Context", "DoctorError", "StepTimeout", "all_gather_single", "gather_json",
+           "parse_sizes", "reduce_scatter_single", "start"]
 
 _KEY_PREFIX = "numguard_doctor"
 
@@ -95,7 +95,8 @@ class Context:
         self.rank = _int_env("RANK", 0)
         self.local_rank = _int_env("LOCAL_RANK", self.rank if single else 0)
         if self.world < 1 or not 0 <= self.rank < self.world:
-            raise DoctorError(f"RANK={self.rank} is not in 0..WORLD_SIZE-1 (WORLD_SIZE={self.world})")
+            raise DoctorError(f"RANK={self.rank} is not in 0..WORLD_SIZE-1 "
+                              f"(WORLD_SIZE={self.world})")
         self.addr = os.environ.get("MASTER_ADDR") or "127.0.0.1"
         self.port = _int_env("MASTER_PORT", _free_port() if single else None)
         if not 0 < self.port < 65536:
@@ -125,11 +126,13 @@ class Context:
         except Exception as exc:  # noqa: BLE001 - torch raises several types for the same cause
             if is_master:
                 raise DoctorError(f"rank 0 could not host the rendezvous store on "
-                                  f"{self.addr}:{self.port} ({exc}); pick a free MASTER_PORT") from None
+                                  f"{self.addr}:{self.port} ({exc}); pick a free "
+                                  "MASTER_PORT") from None
             raise DoctorError(
                 f"rank {self.rank} on {self.host} could not reach the rendezvous store at "
                 f"{self.addr}:{self.port} within {self.timeout:g} s ({type(exc).__name__}): rank 0 "
-                "never started it, or MASTER_ADDR/MASTER_PORT differ from rank 0's") from None
+                "never started it, gave up on this rank after its own start-up timeout, or "
+                "MASTER_ADDR/MASTER_PORT differ from rank 0's") from None
         self.store.set(self._key("arrived", self.rank), self.host)
         verdict_key = self._key("verdict")
         if self.rank == 0:
@@ -158,7 +161,8 @@ class Context:
             torch.cuda.set_device(self.device)
             # CPU tensors (facts, timings) go through gloo, so a broken NCCL cannot hide them.
             self.backend = "cpu:gloo,cuda:nccl"
-        dist.init_process_group(self.backend, store=dist.PrefixStore(self.prefix + "/pg", self.store),
+        store = dist.PrefixStore(self.prefix + "/pg", self.store)
+        dist.init_process_group(self.backend, store=store,
                                 rank=self.rank, world_size=self.world,
                                 # Longer than a step's timeout: the step names the late ranks
                                 # before NCCL's watchdog would abort the process without a word.
@@ -191,7 +195,8 @@ class Context:
 
         Returns the ``time.perf_counter()`` at which the last work completed.
         """
-        works = [w for w in (works if isinstance(works, (list, tuple)) else [works]) if w is not None]
+        works = [w for w in (works if isinstance(works, (list, tuple)) else [works])
+                 if w is not None]
         timeout = self.timeout if timeout is None else timeout
         if time.monotonic() > deadline:
             # This rank itself took the whole step's time before its part was even issued: the
@@ -212,7 +217,8 @@ class Context:
             self.store.set(self._key("waiting", tag, self.rank), "1")
             # The other waiting ranks reach their deadlines a little later (they entered later).
             time.sleep(min(2.0, max(0.2, timeout / 4)))
-            has = {kind: {r for r in range(self.world) if self.store.check([self._key(kind, tag, r)])}
+            has = {kind: {r for r in range(self.world)
+                          if self.store.check([self._key(kind, tag, r)])}
                    for kind in ("entered", "waiting", "done")}
         except Exception:  # noqa: BLE001 - the store host (rank 0) may be gone
             return StepTimeout(name, timeout, "unknown (the store on rank 0 is unreachable)",

@@ -87,8 +87,10 @@ def render(result):
                      + ", ".join(f"{x * 1e3:.2f}" for x in s["compute_s"]) + " ms")
     if perf.get("pairs"):
         m = perf["pairs"]
-        lines += ["", f"Send/recv round-trip bandwidth, GB/s ({_size(perf['pair_bytes'])} each way):"]
-        rows = [[str(i)] + ["-" if v is None else f"{v:.2f}" for v in row] for i, row in enumerate(m)]
+        lines += ["", "Send/recv round-trip bandwidth, GB/s "
+                      f"({_size(perf['pair_bytes'])} each way):"]
+        rows = [[str(i)] + ["-" if v is None else f"{v:.2f}" for v in row]
+                for i, row in enumerate(m)]
         lines += ["  " + s for s in _table(["rank"] + [str(j) for j in range(len(m))], rows)]
     lines += ["", "Findings:" if result["findings"] else "Findings: none"]
     for f in result["findings"]:
@@ -111,7 +113,10 @@ def write_json(result, path):
 
 
 def write_plot(result, path):
-    """Bandwidth against size and the pair matrix as a heat map; raises RuntimeError without matplotlib."""
+    """Bandwidth against size and the pair matrix as a heat map.
+
+    Raises RuntimeError when matplotlib is missing.
+    """
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -125,7 +130,8 @@ def write_plot(result, path):
     for op in ("all_reduce", "all_gather", "reduce_scatter"):
         rows = [r for r in perf.get("bandwidth") or [] if r["op"] == op]
         if rows:
-            ax.plot([r["bytes"] for r in rows], [r["busbw_GBps"] for r in rows], marker="o", label=op)
+            ax.plot([r["bytes"] for r in rows], [r["busbw_GBps"] for r in rows], marker="o",
+                    label=op)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("bytes")
     ax.set_ylabel("bus bandwidth (GB/s)")
