@@ -145,6 +145,15 @@ def write_plot(result, path):
         data = [[math.nan if v is None else v for v in row] for row in pairs]
         image = ax.imshow(data, cmap="viridis")
         fig.colorbar(image, ax=ax, label="GB/s (round trip)")
+        n = len(pairs)
+        ax.set_xticks(range(n))
+        ax.set_yticks(range(n))
+        if n <= 16:  # beyond that the numbers would not fit their cells
+            for i in range(n):
+                for j in range(n):
+                    if pairs[i][j] is not None:
+                        ax.text(j, i, f"{pairs[i][j]:.2f}", ha="center", va="center",
+                                color="white", fontsize=8)
         ax.set_xlabel("rank")
         ax.set_ylabel("rank")
         ax.set_title("send/recv pairs")
