@@ -166,6 +166,9 @@ def test_rank_that_never_joins_is_named(tmp_path):
         assert "ranks that never joined within 5 s: [2]" in res[r][2]
     data = _load(path)
     assert data["missing_ranks"] == [2] and data["status"] == "failed"
+    (missing,) = data["findings"]
+    assert missing["code"] == "missing_ranks" and missing["ranks"] == [2]
+    assert missing["severity"] == "error" and "never joined within 5 s" in missing["title"]
     assert sorted(data["arrived"]) == ["0", "1", "3"]
 
 
@@ -210,10 +213,13 @@ def test_step_timeout_names_the_stuck_rank(tmp_path):
     path = _json(tmp_path)
     res = launch(2, FAST + ["--timeout", "5", "--json", path], faults={1: "slow_all_reduce:12"})
     assert _codes(res) == {0: 1, 1: 1}, res
-    failure = _load(path)["failures"][0]
+    data = _load(path)
+    failure = data["failures"][0]
     assert failure["kind"] == "timeout" and failure["step"] == "all_reduce sum float32 x1"
     assert failure["stuck"] == [1] and failure["waiting"] == [0] and failure["not_started"] == []
     assert "ranks inside it that stopped making progress: [1]" in res[0][1]
+    (timed_out,) = [f for f in data["findings"] if f["code"] == "step_timeout"]
+    assert timed_out["ranks"] == [1] and timed_out["hosts"] == [data["facts"][1]["host"]]
 
 
 def test_old_kernel_on_one_rank(tmp_path):

@@ -8,7 +8,8 @@ from __future__ import annotations
 import re
 import statistics
 
-__all__ = ["MIN_KERNEL", "SMALL_SHM_BYTES", "correctness", "from_facts", "performance"]
+__all__ = ["MIN_KERNEL", "SMALL_SHM_BYTES", "correctness", "failed_step", "from_facts",
+           "missing_ranks", "performance"]
 
 MIN_KERNEL = (5, 5)
 SMALL_SHM_BYTES = 1024 ** 3  # below 1 GiB: Docker's 64 MiB default and similar
@@ -213,3 +214,28 @@ def performance(facts, straggle, pairs):
                         "NCCL_SOCKET_IFNAME on both hosts, and the PCIe/NVLink topology "
                         "(nvidia-smi topo -m).", facts, [i, j]))
     return out
+
+
+def missing_ranks(missing, arrived, timeout):
+    """The error for ranks that never joined (no facts exist for them, so hosts are unknown)."""
+    return {"severity": "error", "code": "missing_ranks",
+            "title": f"Ranks {missing} never joined within {timeout:g} s",
+            "detail": "arrived: " + ", ".join(f"rank {r} on {h}" for r, h in sorted(
+                arrived.items(), key=lambda kv: int(kv[0]))),
+            "advice": "Check that those ranks were started (their launcher's log), that their "
+                      "hosts reach MASTER_ADDR:MASTER_PORT (firewall, a wrong interface), and that "
+                      "--nnodes/--nproc_per_node and WORLD_SIZE agree on every node; a slow start "
+                      "(container pull, module load) needs a longer --timeout.",
+            "ranks": list(missing), "hosts": []}
+
+
+def failed_step(failure, facts):
+    """The error for a step that timed out or failed on this rank."""
+    stuck = [r for r in failure.get("stuck") or [] if isinstance(r, int)]
+    hosts = sorted({facts[r]["host"] for r in stuck if r < len(facts)})
+    return {"severity": "error", "code": "step_" + failure["kind"],
+            "title": f"rank {failure['rank']}: {failure['message']}", "detail": None,
+            "advice": "The ranks that stopped making progress are hung or far slower than the "
+                      "others: look at them while they hang (py-spy dump --pid PID), at their "
+                      "host's load and devices, and on GPUs rerun with --nccl-debug.",
+            "ranks": stuck, "hosts": hosts}

@@ -117,6 +117,8 @@ def run(options):
     if missing:
         result["missing_ranks"] = missing
         result["status"] = "failed"
+        result["findings"] = [_findings.missing_ranks(missing, result["arrived"],
+                                                      options.timeout)]
         if ctx.rank in missing:
             raise DoctorError(f"rank {ctx.rank} arrived after the {options.timeout:g} s start-up "
                               f"timeout; the other ranks gave up on ranks {missing}")
@@ -134,13 +136,16 @@ def run(options):
                                    "message": str(exc),
                                    "not_started": exc.not_started, "stuck": exc.stuck,
                                    "waiting": exc.waiting})
+        result["findings"].append(_findings.failed_step(result["failures"][-1], result["facts"]))
         _hard_exit(_output(ctx, result, options))
     except RuntimeError as exc:  # a collective failed (a peer died, a backend error)
         result["status"] = "failed"
         result["failures"].append({"rank": ctx.rank, "kind": "error", "step": None,
                                    "not_started": None,
                                    "stuck": None, "waiting": None,
-                                   "message": f"a collective failed: {str(exc).splitlines()[0]}"})
+                                   "message": "a collective failed: "
+                                   + (str(exc).splitlines() or [type(exc).__name__])[0]})
+        result["findings"].append(_findings.failed_step(result["failures"][-1], result["facts"]))
         _hard_exit(_output(ctx, result, options))
     code = _output(ctx, result, options)
     torch.distributed.destroy_process_group()
@@ -152,6 +157,7 @@ def _examine(ctx, result, options):
     all_facts = gather_json(ctx, _facts.collect(ctx), "gather facts")
     result["facts"] = all_facts
     findings = _findings.from_facts(all_facts)
+    result["findings"] = findings  # kept if a later step fails
     collision = any(f["code"] == "device_collision" for f in findings)
     local = {"checks": [], "perf": None, "nccl_log": None}
     if not collision:  # NCCL refuses two ranks on one GPU; the checks would only fail
