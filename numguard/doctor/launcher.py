@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["Context", "DoctorError", "StepTimeout", "all_gather_single", "gather_json",
+__all__ = ["CollectiveError", "Context", "DoctorError", "StepTimeout", "all_gather_single", "gather_json",
            "parse_sizes", "reduce_scatter_single", "start"]
 
 _KEY_PREFIX = "numguard_doctor"
@@ -31,6 +31,10 @@ _KEY_PREFIX = "numguard_doctor"
 
 class DoctorError(RuntimeError):
     """The doctor could not run (bad setting, unreachable store); the message says what to do."""
+
+
+class CollectiveError(DoctorError):
+    """A collective that was issued failed while this rank waited for it (e.g. a peer died)."""
 
 
 class StepTimeout(DoctorError):
@@ -208,7 +212,8 @@ class Context:
         if not job.done.wait(max(0.0, deadline - time.monotonic())):
             raise self._timed_out(name, tag or f"{self._step}", timeout)
         if job.error is not None:
-            raise job.error
+            first = (str(job.error).splitlines() or [type(job.error).__name__])[0]
+            raise CollectiveError(f"step {name!r}: {first}") from job.error
         return job.finished
 
     def _timed_out(self, name, tag, timeout):

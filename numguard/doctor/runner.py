@@ -19,6 +19,7 @@ from .launcher import DoctorError, StepTimeout, gather_json, start
 __all__ = ["Options", "run"]
 
 _NCCL_LOG_CAP = 2 * 1024 ** 2  # bytes of each rank's NCCL log carried to rank 0
+SCHEMA_ID = report.SCHEMA
 
 
 @dataclasses.dataclass
@@ -189,5 +190,3 @@ def _examine(ctx, result, options):
     # Nobody leaves (and rank 0 does not take the store down) before everyone has everything.
     ctx.step("final barrier", lambda: [torch.distributed.barrier(async_op=True)])
 
-
-SCHEMA_ID = report.SCHEMA
