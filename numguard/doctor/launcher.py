@@ -6,8 +6,9 @@ every key, then publishes the list of ranks that never joined. Only when that li
 process group created, on the same store, so ``init_process_group`` never waits for a missing rank.
 
 Steps: every collective is issued with ``async_op=True`` and waited for with a deadline; a step
-that runs out of time raises :class:`StepTimeout` naming the ranks that never entered it and those
-that entered but did not finish (each rank marks both in the store).
+that runs out of time raises :class:`StepTimeout` naming the ranks that never reached it, those
+inside it that stopped making progress, and those waiting for them (each rank marks in the store
+when it enters a step, finishes it, or times out waiting).
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "Context", "DoctorError", "StepTimeout", "all_gather_single", "gather_json",
-           "parse_sizes", "reduce_scatter_single", "start"]
+__all__ = ["CollectiveError", "Context", "DoctorError", "StepTimeout", "all_gather_single",
+           "gather_json", "parse_sizes", "reduce_scatter_single", "start"]
 
 _KEY_PREFIX = "numguard_doctor"
 
@@ -145,7 +146,7 @@ class Context:
             self.arrived = self._arrived_hosts()
         else:
             # Rank 0 publishes its verdict at most `timeout` after it arrived; allow as long again.
-            if not self._wait_for_keys("verdict", [None], 2 * self.timeout + 5) == []:
+            if self._wait_for_keys("verdict", [None], 2 * self.timeout + 5):
                 raise DoctorError(f"rank {self.rank}: rank 0 published no start-up verdict within "
                                   f"{2 * self.timeout + 5:g} s; it may have died after it started")
             missing = json.loads(self.store.get(verdict_key))
