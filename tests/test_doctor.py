@@ -78,7 +78,9 @@ def test_healthy_two_ranks(healthy2):
     assert _codes(res) == {0: 0, 1: 0}, res
     out = res[0][1]
     assert "numguard doctor: 2 rank(s), backend gloo: HEALTHY" in out
-    assert "Findings: none" in out
+    # Timing findings depend on the machine's load (no timing asserts); nothing else may show.
+    timing = {"straggler", "slow_compute", "slow_link"}
+    assert [f for f in data["findings"] if f["code"] not in timing] == []
     assert res[1][1] == ""  # only rank 0 prints the report
     assert data["status"] == "healthy" and data["exit_status"] == 0
     assert [f["rank"] for f in data["facts"]] == [0, 1]
@@ -193,6 +195,7 @@ def test_wrong_all_reduce_names_the_rank(tmp_path):
         if c["op"] == "all_reduce":
             assert c["wrong_ranks"] == [1] and "got" in c["errors"]["1"]
     assert "WRONG  all_reduce sum float32 x1: ranks [1]" in res[0][1]
+    assert "numguard doctor: rank 1: failed (all_reduce: wrong result on" in res[1][2]
 
 
 def test_slow_rank_is_named_as_the_straggler(tmp_path):

@@ -81,6 +81,10 @@ def _output(ctx, result, options):
     if ctx.rank != 0:
         for t in result["failures"]:
             sys.stderr.write(f"numguard doctor: rank {ctx.rank}: {t['message']}\n")
+        if code and not result["failures"] and not result["missing_ranks"]:
+            errors = [f["title"] for f in result["findings"] if f["severity"] == "error"]
+            sys.stderr.write(f"numguard doctor: rank {ctx.rank}: failed ({'; '.join(errors)}); "
+                             "rank 0 prints the report\n")
         return code
     sys.stdout.write(report.render(result))
     if options.json:
