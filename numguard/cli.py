@@ -105,7 +105,7 @@ def _doctor(args):
     try:
         return doctor.run(options)
     except doctor.DoctorError as exc:
-        return _fail(f"doctor: {exc}", status=1)
+        return _fail(f"doctor: {exc}", status=exc.status)
 
 
 def _fail(message, status=2):

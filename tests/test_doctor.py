@@ -264,6 +264,21 @@ def test_bad_options_are_named(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("variables, message", [
+    ({"WORLD_SIZE": "2", "RANK": "1"}, "MASTER_PORT is not set"),
+    ({"WORLD_SIZE": "2", "RANK": "one", "MASTER_PORT": "29500"}, "RANK='one' is not a whole number"),
+    ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_PORT": "29500"}, "RANK=2 is not in 0..WORLD_SIZE-1"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a TCP"),
+])
+def test_bad_launcher_variables_are_named(monkeypatch, capsys, variables, message):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    assert main(["doctor", "--timeout", "1"]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_parse_sizes():
     assert parse_sizes(["1K", "4m", "1024", "2GiB", "1k"]) == [1024, 4 * 1024 ** 2, 2 * 1024 ** 3]
 

@@ -24,14 +24,25 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "Context", "DoctorError", "StepTimeout", "all_gather_single",
-           "gather_json", "parse_sizes", "reduce_scatter_single", "start"]
+__all__ = ["CollectiveError", "Context", "DoctorError", "SettingError", "StepTimeout",
+           "all_gather_single", "gather_json", "parse_sizes", "reduce_scatter_single", "start"]
 
 _KEY_PREFIX = "numguard_doctor"
 
 
 class DoctorError(RuntimeError):
-    """The doctor could not run (bad setting, unreachable store); the message says what to do."""
+    """The doctor could not run (bad setting, unreachable store); the message says what to do.
+
+    ``status`` is the exit status it leads to: 2 for a bad option or variable, else 1.
+    """
+
+    status = 1
+
+
+class SettingError(DoctorError):
+    """An option or launcher variable (RANK, WORLD_SIZE, MASTER_PORT, ...) has a bad value."""
+
+    status = 2
 
 
 class CollectiveError(DoctorError):
@@ -66,7 +77,7 @@ def parse_sizes(texts):
         match = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", str(text))
         unit = match.group(2).upper() if match else None
         if match is None or unit not in _UNITS or int(match.group(1)) == 0:
-            raise DoctorError(f"--sizes: {text!r} is not a size; use a positive whole number of "
+            raise SettingError(f"--sizes: {text!r} is not a size; use a positive whole number of "
                               "bytes with an optional unit K, M or G (powers of 1024), e.g. 4M")
         sizes.append(int(match.group(1)) * _UNITS[unit])
     return sorted(set(sizes))
@@ -76,13 +87,13 @@ def _int_env(name, default=None):
     text = os.environ.get(name)
     if text is None or text == "":
         if default is None:
-            raise DoctorError(f"{name} is not set; launch with torchrun, or set RANK, WORLD_SIZE, "
+            raise SettingError(f"{name} is not set; launch with torchrun, or set RANK, WORLD_SIZE, "
                               "MASTER_ADDR and MASTER_PORT for every rank")
         return default
     try:
         return int(text)
     except ValueError:
-        raise DoctorError(f"{name}={text!r} is not a whole number") from None
+        raise SettingError(f"{name}={text!r} is not a whole number") from None
 
 
 def _free_port():
@@ -100,12 +111,12 @@ class Context:
         self.rank = _int_env("RANK", 0)
         self.local_rank = _int_env("LOCAL_RANK", self.rank if single else 0)
         if self.world < 1 or not 0 <= self.rank < self.world:
-            raise DoctorError(f"RANK={self.rank} is not in 0..WORLD_SIZE-1 "
+            raise SettingError(f"RANK={self.rank} is not in 0..WORLD_SIZE-1 "
                               f"(WORLD_SIZE={self.world})")
         self.addr = os.environ.get("MASTER_ADDR") or "127.0.0.1"
         self.port = _int_env("MASTER_PORT", _free_port() if single else None)
         if not 0 < self.port < 65536:
-            raise DoctorError(f"MASTER_PORT={self.port} is not a TCP port (1..65535)")
+            raise SettingError(f"MASTER_PORT={self.port} is not a TCP port (1..65535)")
         self.host = socket.gethostname()
         self.timeout = timeout
         # torchrun restarts reuse the agent's store: keys of an earlier attempt must not count.
