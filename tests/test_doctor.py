@@ -266,7 +266,8 @@ def test_bad_options_are_named(capsys, argv, message):
 
 @pytest.mark.parametrize("variables, message", [
     ({"WORLD_SIZE": "2", "RANK": "1"}, "MASTER_PORT is not set"),
-    ({"WORLD_SIZE": "2", "RANK": "one", "MASTER_PORT": "29500"}, "RANK='one' is not a whole number"),
+    ({"WORLD_SIZE": "2", "RANK": "one", "MASTER_PORT": "29500"},
+     "RANK='one' is not a whole number"),
     ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_PORT": "29500"}, "RANK=2 is not in 0..WORLD_SIZE-1"),
     ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a TCP"),
 ])
