@@ -4,8 +4,9 @@
 #   1. build numguard in place with its CUDA kernels (TORCH_CUDA_ARCH_LIST defaults to 9.0);
 #   2. capture tensor_stats / multi_tensor_stats / record_ in a CUDA graph, replay, compare to eager
 #      (and every dtype/layout against the pure-PyTorch reference);
-#   3. run the tests on CUDA (sync-debug mode "error" around the ops), CUDA-focused files first;
-#   4. print the kernel bandwidth table last.
+#   3. run `numguard doctor` with one rank per GPU (facts table, exact collective checks, findings);
+#   4. run the tests on CUDA (sync-debug mode "error" around the ops), CUDA-focused files first;
+#   5. print the kernel bandwidth table last.
 # Every phase is timed; a failing phase does not stop the later ones; the exit status is non-zero
 # if any phase failed. Designed to finish in well under 8 minutes on an H200.
 #
@@ -115,6 +116,17 @@ assert max(at_start) < (1 << 20), f"a try started with earlier activations alive
 assert step() == (size, total) and step.finder.tried == [(size, "ok")], "found size not remembered"
 print("batch finder on CUDA: ok")
 PYEOF
+
+# --- 2c. numguard doctor on this machine's GPU(s) -----------------------------------------------
+# One rank per visible GPU under torchrun (NCCL for the checks, gloo for facts); prints the rank
+# table, the exact-result checks, bandwidth (2+ GPUs) and the findings; JSON in benchmarks/results.
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+[ "${NGPU:-0}" -ge 1 ] || NGPU=1
+DOCTOR_ARGS=(--timeout 60 --json benchmarks/results/doctor.json)
+[ "$NGPU" -ge 2 ] && DOCTOR_ARGS+=(--pairs)
+mkdir -p benchmarks/results
+phase "doctor ($NGPU GPU rank(s))" 150 "$PY" -m torch.distributed.run --standalone \
+  --nproc_per_node "$NGPU" -m numguard doctor "${DOCTOR_ARGS[@]}"
 
 # --- 3. tests ----------------------------------------------------------------------------------
 if ! "$PY" -c "import pytest" 2>/dev/null; then

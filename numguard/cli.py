@@ -5,10 +5,15 @@
     python -m numguard install-hook [--target DIR]    install the NUMGUARD=1 start-up hook into
                                                       site-packages (pip install does this already)
     python -m numguard install-hook --remove          remove it again
+    python -m numguard doctor [--json FILE] [--timeout S] [--sizes ...] [--pairs] [--plot PNG]
+                              [--nccl-debug] [--iters N]
+                                                      check a multi-rank job's machines and
+                                                      collectives (run under torchrun, or alone)
 
 Exit status: 0 on success, 2 on a usage error or a file that cannot be read (a dump that fails
 its schema checks says what is wrong where, e.g. ``frames[3].records[2]: expected 8 numbers or
-null, got 'abc'``), 1 when numguard itself fails.
+null, got 'abc'``), 1 when numguard itself fails. ``doctor``: 0 healthy, 1 when a check gave a
+wrong result, a rank never joined or a step timed out, 2 on a bad option.
 """
 import argparse
 import os
@@ -82,6 +87,27 @@ def _install_hook(args):
     return 0
 
 
+def _doctor(args):
+    from . import doctor
+    from .env import MAX_DIST_TIMEOUT_S
+
+    if not 0 < args.timeout <= MAX_DIST_TIMEOUT_S:  # also refuses nan
+        return _fail(f"doctor: --timeout {args.timeout!r} is out of range; give seconds from "
+                     f"more than 0 to {MAX_DIST_TIMEOUT_S:g}")
+    if args.iters is not None and args.iters < 1:
+        return _fail(f"doctor: --iters {args.iters} must be at least 1")
+    try:
+        sizes = doctor.parse_sizes(args.sizes) if args.sizes else None
+    except doctor.DoctorError as exc:
+        return _fail(f"doctor {exc}")
+    options = doctor.Options(json=args.json, timeout=args.timeout, sizes=sizes, iters=args.iters,
+                             pairs=args.pairs, plot=args.plot, nccl_debug=args.nccl_debug)
+    try:
+        return doctor.run(options)
+    except doctor.DoctorError as exc:
+        return _fail(f"doctor: {exc}", status=exc.status)
+
+
 def _fail(message, status=2):
     sys.stderr.write(f"numguard {message}\n")
     return status
@@ -104,6 +130,24 @@ def _parser():
                       help="the site-packages folder (default: this interpreter's)")
     hook.add_argument("--remove", action="store_true", help="remove the hook instead")
     hook.set_defaults(run=_install_hook)
+    doc = commands.add_parser("doctor", help="check a multi-rank job's machines and collectives "
+                                             "(torchrun --nproc_per_node N -m numguard doctor)")
+    doc.add_argument("--json", metavar="FILE", help="write every fact, finding and figure here")
+    doc.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                     help="seconds to wait for every rank at start-up, and for each step "
+                          "(default 30)")
+    doc.add_argument("--sizes", nargs="+", metavar="SIZE",
+                     help="bandwidth sweep sizes, e.g. 1K 1M 64M (default 1K..256M on CUDA, "
+                          "1K..4M on CPU)")
+    doc.add_argument("--iters", type=int, metavar="N",
+                     help="timed iterations per size (default 20 on CUDA, 5 on CPU)")
+    doc.add_argument("--pairs", action="store_true",
+                     help="also measure send/recv bandwidth between every pair of ranks")
+    doc.add_argument("--plot", metavar="PNG", help="draw bandwidth against size (and the pair "
+                                                   "matrix) to this PNG (needs matplotlib)")
+    doc.add_argument("--nccl-debug", action="store_true",
+                     help="NCCL_DEBUG=INFO with a log per rank, bundled next to the JSON")
+    doc.set_defaults(run=_doctor)
     return parser
 
 

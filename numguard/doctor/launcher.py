@@ -1,0 +1,332 @@
+"""Rendezvous, process group and timed steps for ``numguard doctor``: nothing here waits forever.
+
+Start-up: every rank connects to the TCPStore at MASTER_ADDR:MASTER_PORT (rank 0 hosts it unless
+torchrun's agent already does), sets ``arrived/<rank>`` and rank 0 waits up to ``--timeout`` for
+every key, then publishes the list of ranks that never joined. Only when that list is empty is a
+process group created, on the same store, so ``init_process_group`` never waits for a missing rank.
+
+Steps: every collective is issued with ``async_op=True`` and waited for with a deadline; a step
+that runs out of time raises :class:`StepTimeout` naming the ranks that never reached it, those
+inside it that stopped making progress, and those waiting for them (each rank marks in the store
+when it enters a step, finishes it, or times out waiting).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import queue
+import re
+import socket
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CollectiveError", "Context", "DoctorError", "SettingError", "StepTimeout",
+           "all_gather_single", "gather_json", "parse_sizes", "reduce_scatter_single", "start"]
+
+_KEY_PREFIX = "numguard_doctor"
+
+
+class DoctorError(RuntimeError):
+    """The doctor could not run (bad setting, unreachable store); the message says what to do.
+
+    ``status`` is the exit status it leads to: 2 for a bad option or variable, else 1.
+    """
+
+    status = 1
+
+
+class SettingError(DoctorError):
+    """An option or launcher variable (RANK, WORLD_SIZE, MASTER_PORT, ...) has a bad value."""
+
+    status = 2
+
+
+class CollectiveError(DoctorError):
+    """A collective that was issued failed while this rank waited for it (e.g. a peer died)."""
+
+
+class StepTimeout(DoctorError):
+    """A step did not finish on this rank within its timeout.
+
+    ``stuck``: ranks inside the step that are not waiting for anyone (the likely cause: hung in
+    their own work or in issuing a collective); ``waiting``: ranks whose part is issued and that
+    wait for the others; ``not_started``: ranks that never reached the step.
+    """
+
+    def __init__(self, step, timeout, not_started, stuck, waiting):
+        self.step, self.timeout = step, timeout
+        self.not_started, self.stuck, self.waiting = not_started, stuck, waiting
+        super().__init__(
+            f"step {step!r} did not finish within {timeout:g} s: ranks that never reached it: "
+            f"{not_started}; ranks inside it that stopped making progress: {stuck}; ranks "
+            f"waiting for them: {waiting}")
+
+
+_UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": 1024 ** 2, "MB": 1024 ** 2,
+          "MIB": 1024 ** 2, "G": 1024 ** 3, "GB": 1024 ** 3, "GIB": 1024 ** 3}
+
+
+def parse_sizes(texts):
+    """``["1K", "4M", "1024"]`` -> byte counts (binary units); a clear error names a bad entry."""
+    sizes = []
+    for text in texts:
+        match = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", str(text))
+        unit = match.group(2).upper() if match else None
+        if match is None or unit not in _UNITS or int(match.group(1)) == 0:
+            raise SettingError(f"--sizes: {text!r} is not a size; use a positive whole number of "
+                              "bytes with an optional unit K, M or G (powers of 1024), e.g. 4M")
+        sizes.append(int(match.group(1)) * _UNITS[unit])
+    return sorted(set(sizes))
+
+
+def _int_env(name, default=None):
+    text = os.environ.get(name)
+    if text is None or text == "":
+        if default is None:
+            raise SettingError(f"{name} is not set; launch with torchrun, or set RANK, WORLD_SIZE, "
+                              "MASTER_ADDR and MASTER_PORT for every rank")
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise SettingError(f"{name}={text!r} is not a whole number") from None
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Context:
+    """One rank's view of the job: identity, store, process group and step bookkeeping."""
+
+    def __init__(self, timeout):
+        single = not os.environ.get("WORLD_SIZE")
+        self.world = _int_env("WORLD_SIZE", 1)
+        self.rank = _int_env("RANK", 0)
+        self.local_rank = _int_env("LOCAL_RANK", self.rank if single else 0)
+        if self.world < 1 or not 0 <= self.rank < self.world:
+            raise SettingError(f"RANK={self.rank} is not in 0..WORLD_SIZE-1 "
+                              f"(WORLD_SIZE={self.world})")
+        self.addr = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+        self.port = _int_env("MASTER_PORT", _free_port() if single else None)
+        if not 0 < self.port < 65536:
+            raise SettingError(f"MASTER_PORT={self.port} is not a TCP port (1..65535)")
+        self.host = socket.gethostname()
+        self.timeout = timeout
+        # torchrun restarts reuse the agent's store: keys of an earlier attempt must not count.
+        self.prefix = f"{_KEY_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self.store = None
+        self.cuda = torch.cuda.is_available()
+        self.device = torch.device("cpu")
+        self.backend = "gloo"
+        self._step = 0
+        self._waiter = None
+        self.arrived = {}  # rank -> host of the ranks that joined; rank 0 reads it in connect()
+
+    # -- start-up ------------------------------------------------------------------------------
+    def connect(self):
+        """Connect to the store and wait for every rank; returns the ranks that never joined."""
+        # Under torchrun the agent hosts the store on MASTER_PORT; every worker is a client.
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        is_master = self.rank == 0 and not agent
+        try:
+            self.store = dist.TCPStore(self.addr, self.port, self.world, is_master,
+                                       timeout=datetime.timedelta(seconds=self.timeout),
+                                       wait_for_workers=False)
+        except Exception as exc:  # noqa: BLE001 - torch raises several types for the same cause
+            if is_master:
+                raise DoctorError(f"rank 0 could not host the rendezvous store on "
+                                  f"{self.addr}:{self.port} ({exc}); pick a free "
+                                  "MASTER_PORT") from None
+            raise DoctorError(
+                f"rank {self.rank} on {self.host} could not reach the rendezvous store at "
+                f"{self.addr}:{self.port} within {self.timeout:g} s ({type(exc).__name__}): rank 0 "
+                "never started it, gave up on this rank after its own start-up timeout, or "
+                "MASTER_ADDR/MASTER_PORT differ from rank 0's") from None
+        self.store.set(self._key("arrived", self.rank), self.host)
+        verdict_key = self._key("verdict")
+        if self.rank == 0:
+            missing = self._wait_for_keys("arrived", range(self.world), self.timeout)
+            self.store.set(verdict_key, json.dumps(missing))
+            self.arrived = self._arrived_hosts()
+        else:
+            # Rank 0 publishes its verdict at most `timeout` after it arrived; allow as long again.
+            if self._wait_for_keys("verdict", [None], 2 * self.timeout + 5):
+                raise DoctorError(f"rank {self.rank}: rank 0 published no start-up verdict within "
+                                  f"{2 * self.timeout + 5:g} s; it may have died after it started")
+            missing = json.loads(self.store.get(verdict_key))
+            self.store.set(self._key("ack", self.rank), "1")
+        if missing and self.rank == 0:
+            # The others leave on this verdict too; keep the store (this process) up until they
+            # have read it, or they would report an unreachable store instead of the missing ranks.
+            arrived = [r for r in range(1, self.world) if r not in missing]
+            self._wait_for_keys("ack", arrived, self.timeout)
+        return missing
+
+    def init_process_group(self):
+        """A process group on the checked store: gloo on CPU, NCCL for CUDA tensors."""
+        if self.cuda:
+            count = torch.cuda.device_count()
+            self.device = torch.device("cuda", self.local_rank % count)
+            torch.cuda.set_device(self.device)
+            # CPU tensors (facts, timings) go through gloo, so a broken NCCL cannot hide them.
+            self.backend = "cpu:gloo,cuda:nccl"
+        store = dist.PrefixStore(self.prefix + "/pg", self.store)
+        dist.init_process_group(self.backend, store=store,
+                                rank=self.rank, world_size=self.world,
+                                # Longer than a step's timeout: the step names the late ranks
+                                # before NCCL's watchdog would abort the process without a word.
+                                timeout=datetime.timedelta(seconds=2 * self.timeout + 10))
+
+    def _arrived_hosts(self):
+        """``{rank: host}`` for the ranks whose arrival key is set (never blocks)."""
+        hosts = {}
+        for r in range(self.world):
+            key = self._key("arrived", r)
+            if self.store.check([key]):
+                hosts[r] = self.store.get(key).decode()
+        return hosts
+
+    # -- steps ---------------------------------------------------------------------------------
+    def step(self, name, issue, timeout=None):
+        """Run ``issue()`` (returns async works) and wait for them; :class:`StepTimeout` if late."""
+        timeout = self.timeout if timeout is None else timeout
+        self._step += 1
+        tag = f"{self._step}"
+        self.store.set(self._key("entered", tag, self.rank), "1")
+        deadline = time.monotonic() + timeout
+        works = issue()
+        self.wait(works, deadline, name, tag, timeout)
+        self.store.set(self._key("done", tag, self.rank), "1")
+        return works
+
+    def wait(self, works, deadline, name, tag=None, timeout=None):
+        """Wait for async works until ``deadline``; past it raise :class:`StepTimeout`.
+
+        Returns the ``time.perf_counter()`` at which the last work completed.
+        """
+        works = [w for w in (works if isinstance(works, (list, tuple)) else [works])
+                 if w is not None]
+        timeout = self.timeout if timeout is None else timeout
+        if time.monotonic() > deadline:
+            # This rank itself took the whole step's time before its part was even issued: the
+            # others have given up on it (and rank 0's store may be gone), so ask nobody.
+            raise StepTimeout(name, timeout, "unknown", [self.rank], "unknown (they gave up)")
+        if self._waiter is None:
+            self._waiter = _Waiter(self.device)
+        job = self._waiter.submit(works)
+        if not job.done.wait(max(0.0, deadline - time.monotonic())):
+            raise self._timed_out(name, tag or f"{self._step}", timeout)
+        if job.error is not None:
+            first = (str(job.error).splitlines() or [type(job.error).__name__])[0]
+            raise CollectiveError(f"step {name!r}: {first}") from job.error
+        return job.finished
+
+    def _timed_out(self, name, tag, timeout):
+        """Sort the ranks by where they are: a rank that waits says so; the rest are stuck."""
+        try:
+            self.store.set(self._key("waiting", tag, self.rank), "1")
+            # The other waiting ranks reach their deadlines a little later (they entered later).
+            time.sleep(min(2.0, max(0.2, timeout / 4)))
+            has = {kind: {r for r in range(self.world)
+                          if self.store.check([self._key(kind, tag, r)])}
+                   for kind in ("entered", "waiting", "done")}
+        except Exception:  # noqa: BLE001 - the store host (rank 0) may be gone
+            return StepTimeout(name, timeout, "unknown (the store on rank 0 is unreachable)",
+                               "unknown", [self.rank])
+        every = set(range(self.world))
+        return StepTimeout(name, timeout, sorted(every - has["entered"]),
+                           sorted(has["entered"] - has["waiting"] - has["done"]),
+                           sorted(has["waiting"]))
+
+    def _key(self, *parts):
+        return "/".join([self.prefix] + [str(p) for p in parts if p is not None])
+
+    def _wait_for_keys(self, kind, ranks, timeout):
+        pending = list(ranks)
+        deadline = time.monotonic() + timeout
+        while pending and time.monotonic() < deadline:
+            pending = [r for r in pending if not self.store.check([self._key(kind, r)])]
+            if pending:
+                time.sleep(0.05)
+        return pending
+
+
+class _Job:
+    def __init__(self, works):
+        self.works, self.done, self.error, self.finished = works, threading.Event(), None, None
+
+
+class _Waiter:
+    """One daemon thread that calls ``work.wait()`` so the caller can give up at a deadline.
+
+    ``Work.is_completed()`` cannot be polled instead: gloo's reduce_scatter returns a work that
+    never reports completion. A waiter stuck on a hung collective is abandoned with the process.
+    """
+
+    def __init__(self, device):
+        self.device = device
+        self.jobs = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="numguard-doctor-waiter", daemon=True).start()
+
+    def submit(self, works):
+        job = _Job(works)
+        self.jobs.put(job)
+        return job
+
+    def _loop(self):
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while True:
+            job = self.jobs.get()
+            try:
+                for w in job.works:
+                    w.wait()
+                if self.device.type == "cuda":
+                    # NCCL's wait() only orders this thread's stream after the collective.
+                    torch.cuda.current_stream(self.device).synchronize()
+            except Exception as exc:  # noqa: BLE001 - handed to the caller to raise
+                job.error = exc
+            job.finished = time.perf_counter()
+            job.done.set()
+
+
+def start(timeout):
+    """A :class:`Context` for this process (reads RANK, WORLD_SIZE, ... from the environment)."""
+    return Context(timeout)
+
+
+def all_gather_single():
+    """``all_gather_single`` where torch has it, else ``all_gather_into_tensor``."""
+    # torch 2.13 renamed all_gather_into_tensor; older versions only have the old name.
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def reduce_scatter_single():
+    """``reduce_scatter_single`` where torch has it, else ``reduce_scatter_tensor``."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def gather_json(ctx, obj, name):
+    """Every rank's ``obj`` (JSON-able) on every rank, as a list indexed by rank.
+
+    CPU tensors, so on CUDA jobs this goes through gloo and still works when NCCL does not.
+    """
+    data = json.dumps(obj).encode()
+    mine = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = torch.zeros(ctx.world, dtype=torch.int64)
+    gather = all_gather_single()
+    ctx.step(name, lambda: [gather(sizes, mine, async_op=True)])
+    longest = int(sizes.max())
+    payload = torch.zeros(longest, dtype=torch.uint8)
+    payload[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = torch.zeros(ctx.world * longest, dtype=torch.uint8)
+    ctx.step(name, lambda: [gather(out, payload, async_op=True)])
+    rows = out.view(ctx.world, longest)
+    return [json.loads(bytes(rows[r, :int(sizes[r])].tolist()).decode()) for r in range(ctx.world)]

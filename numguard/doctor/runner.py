@@ -1,0 +1,196 @@
+"""The order of a doctor run, and the exit status.
+
+Exit status (the same on every rank that gets this far): 0 healthy (warnings allowed), 1 when a
+check gave a wrong result, a rank never joined, a step timed out or failed, or a finding is an
+error (two ranks on one GPU); 2 for a usage error (bad option or environment).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+
+import torch
+
+from . import checks, facts as _facts, findings as _findings, performance, report
+from .launcher import DoctorError, StepTimeout, gather_json, start
+
+__all__ = ["Options", "run"]
+
+_NCCL_LOG_CAP = 2 * 1024 ** 2  # bytes of each rank's NCCL log carried to rank 0
+SCHEMA_ID = report.SCHEMA
+
+
+@dataclasses.dataclass
+class Options:
+    json: str | None = None
+    timeout: float = 30.0
+    sizes: list | None = None  # bytes; None: performance.DEFAULT_SIZES for the device
+    iters: int | None = None   # timed iterations per size; None: 20 on CUDA, 5 on CPU
+    pairs: bool = False
+    plot: str | None = None
+    nccl_debug: bool = False
+
+
+def _nccl_dir(options):
+    if options.json:
+        base = os.path.splitext(os.path.abspath(options.json))[0]
+        return base + ".nccl"
+    return os.path.abspath("numguard-doctor-nccl")
+
+
+def _setup_nccl_debug(ctx, options):
+    # NCCL reads these when its first communicator starts, i.e. after init_process_group.
+    folder = _nccl_dir(options)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"rank{ctx.rank}.{ctx.host}.log")
+    os.environ["NCCL_DEBUG"] = "INFO"
+    os.environ["NCCL_DEBUG_FILE"] = path
+    return {"folder": folder, "file": path}
+
+
+def _read_log(path):
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_NCCL_LOG_CAP + 1)
+    except OSError:
+        return None
+    text = data[:_NCCL_LOG_CAP].decode("utf-8", "replace")
+    return text + ("\n[numguard: cut at 2 MiB]\n" if len(data) > _NCCL_LOG_CAP else "")
+
+
+def _bundle_nccl(result, logs, folder):
+    """Rank 0 writes every rank's NCCL log into ``folder`` (other hosts' files are not local)."""
+    paths = []
+    for r, text in enumerate(logs):
+        if text is None:
+            continue
+        path = os.path.join(folder, f"rank{r}.{result['facts'][r]['host']}.log")
+        if not os.path.exists(path):
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        paths.append(path)
+    return paths
+
+
+def _output(ctx, result, options):
+    """Rank 0 prints the report and writes the JSON (and plot); other ranks print one line."""
+    code = 1 if result["status"] != "healthy" else 0
+    result["exit_status"] = code
+    if ctx.rank != 0:
+        for t in result["failures"]:
+            sys.stderr.write(f"numguard doctor: rank {ctx.rank}: {t['message']}\n")
+        if code and not result["failures"] and not result["missing_ranks"]:
+            errors = [f["title"] for f in result["findings"] if f["severity"] == "error"]
+            sys.stderr.write(f"numguard doctor: rank {ctx.rank}: failed ({'; '.join(errors)}); "
+                             "rank 0 prints the report\n")
+        return code
+    sys.stdout.write(report.render(result))
+    if options.json:
+        report.write_json(result, options.json)
+        sys.stdout.write(f"numguard doctor: JSON written to {options.json}\n")
+    if options.plot and result["performance"]:
+        try:
+            report.write_plot(result, options.plot)
+            sys.stdout.write(f"numguard doctor: plot written to {options.plot}\n")
+        except (RuntimeError, OSError, ValueError) as exc:
+            sys.stderr.write(f"numguard doctor --plot: cannot draw {options.plot!r} ({exc})\n")
+    sys.stdout.flush()
+    return code
+
+
+def _hard_exit(code):
+    # A collective abandoned on a timeout cannot be cancelled; leaving through the interpreter
+    # would wait on it at shutdown, so flush and leave at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run(options):
+    """Run the doctor on this rank; returns the exit status (or leaves the process on a timeout)."""
+    ctx = start(options.timeout)
+    result = {"schema": SCHEMA_ID, "status": "healthy", "world_size": ctx.world,
+              "backend": None, "options": dataclasses.asdict(options), "missing_ranks": [],
+              "arrived": {}, "failures": [], "facts": [], "findings": [], "checks": [],
+              "performance": None, "nccl_debug": None, "nccl_logs": [], "started_unix": time.time()}
+    if options.nccl_debug:
+        result["nccl_debug"] = _setup_nccl_debug(ctx, options)
+    missing = ctx.connect()
+    result["arrived"] = {str(r): h for r, h in ctx.arrived.items()}
+    if missing:
+        result["missing_ranks"] = missing
+        result["status"] = "failed"
+        result["findings"] = [_findings.missing_ranks(missing, result["arrived"],
+                                                      options.timeout)]
+        if ctx.rank in missing:
+            raise DoctorError(f"rank {ctx.rank} arrived after the {options.timeout:g} s start-up "
+                              f"timeout; the other ranks gave up on ranks {missing}")
+        if ctx.rank != 0:
+            sys.stderr.write(f"numguard doctor: rank {ctx.rank}: ranks that never joined within "
+                             f"{options.timeout:g} s: {missing}\n")
+        return _output(ctx, result, options)
+    ctx.init_process_group()
+    result["backend"] = ctx.backend
+    try:
+        _examine(ctx, result, options)
+    except StepTimeout as exc:
+        result["status"] = "failed"
+        result["failures"].append({"rank": ctx.rank, "kind": "timeout", "step": exc.step,
+                                   "message": str(exc),
+                                   "not_started": exc.not_started, "stuck": exc.stuck,
+                                   "waiting": exc.waiting})
+        result["findings"].append(_findings.failed_step(result["failures"][-1], result["facts"]))
+        _hard_exit(_output(ctx, result, options))
+    except RuntimeError as exc:  # a collective failed (a peer died, a backend error)
+        result["status"] = "failed"
+        result["failures"].append({"rank": ctx.rank, "kind": "error", "step": None,
+                                   "not_started": None,
+                                   "stuck": None, "waiting": None,
+                                   "message": "a collective failed: "
+                                   + (str(exc).splitlines() or [type(exc).__name__])[0]})
+        result["findings"].append(_findings.failed_step(result["failures"][-1], result["facts"]))
+        _hard_exit(_output(ctx, result, options))
+    code = _output(ctx, result, options)
+    torch.distributed.destroy_process_group()
+    return code
+
+
+def _examine(ctx, result, options):
+    device_kind = "cuda" if ctx.device.type == "cuda" else "cpu"
+    all_facts = gather_json(ctx, _facts.collect(ctx), "gather facts")
+    result["facts"] = all_facts
+    findings = _findings.from_facts(all_facts)
+    result["findings"] = findings  # kept if a later step fails
+    collision = any(f["code"] == "device_collision" for f in findings)
+    local = {"checks": [], "perf": None, "nccl_log": None}
+    if not collision:  # NCCL refuses two ranks on one GPU; the checks would only fail
+        local["checks"] = checks.run_checks(ctx)
+        sizes = options.sizes or performance.DEFAULT_SIZES[device_kind]
+        iters = options.iters or (20 if device_kind == "cuda" else 5)
+        pair_bytes = min(max(sizes), (64 if device_kind == "cuda" else 1) * 1024 ** 2)
+        local["perf"] = performance.measure(ctx, sizes, iters, options.pairs, pair_bytes)
+    if result["nccl_debug"]:
+        local["nccl_log"] = _read_log(result["nccl_debug"]["file"])
+    gathered = gather_json(ctx, local, "gather results")
+    if not collision:
+        wrong, result["checks"] = _findings.correctness(all_facts, [g["checks"] for g in gathered])
+        perf = [g["perf"] for g in gathered]
+        straggle = performance.stragglers(perf)
+        pairs = performance.pair_table(perf, ctx.world)
+        result["performance"] = {
+            "bandwidth": performance.bandwidth_table(perf, ctx.world),
+            "latency_s": [p["latency_s"] for p in perf], "stragglers": straggle,
+            "pairs": pairs, "pair_bytes": pair_bytes if pairs else None,
+            "iterations": iters, "sizes": sizes}
+        findings = wrong + findings + _findings.performance(all_facts, straggle, pairs)
+    result["findings"] = findings
+    if any(f["severity"] == "error" for f in findings):
+        result["status"] = "failed"
+    if result["nccl_debug"] and ctx.rank == 0:
+        result["nccl_logs"] = _bundle_nccl(result, [g["nccl_log"] for g in gathered],
+                                           result["nccl_debug"]["folder"])
+    # Nobody leaves (and rank 0 does not take the store down) before everyone has everything.
+    ctx.step("final barrier", lambda: [torch.distributed.barrier(async_op=True)])
+
