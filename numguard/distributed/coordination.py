@@ -33,9 +33,8 @@ from torch.distributed import distributed_c10d as _c10d
 from ._env import dist_timeout
 from .errors import DistributedOperationException, DistributedTimeoutError
 
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
-_TORCH_DIST_DIR = os.path.dirname(os.path.abspath(dist.__file__))
-_NUMGUARD_DIR = os.path.dirname(_PKG_DIR)
+_NUMGUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 def is_initialized() -> bool:
@@ -54,12 +53,17 @@ def world_size(group=None) -> int:
     return dist.get_world_size(group) if is_initialized() else 1
 
 
+def _internal(filename: str) -> bool:
+    return filename.startswith(_NUMGUARD_DIR) or filename.startswith(_TORCH_DIR)
+
+
 def call_site() -> str:
-    """``file:line`` of the first frame outside numguard and torch.distributed."""
+    """``file:line`` of the first frame outside numguard and torch (a trip exchange runs inside
+    torch's module-call machinery: the user's line is the one that called the model)."""
     frame = sys._getframe(1)
     while frame is not None:
         fname = frame.f_code.co_filename
-        if not (fname.startswith(_NUMGUARD_DIR) or fname.startswith(_TORCH_DIST_DIR)):
+        if not _internal(fname):
             return f"{fname}:{frame.f_lineno}"
         frame = frame.f_back
     return "<unknown>"
@@ -76,6 +80,19 @@ def collective_device(group=None) -> torch.device:
     if "xccl" in backend and hasattr(torch, "xpu") and torch.xpu.is_available():
         return torch.device("xpu", torch.xpu.current_device())
     return torch.device("cpu")
+
+
+# NOTE: [timeout cap]
+# The longest timeout numguard hands to torch, gloo or the store: 2**31 - 1 ms (24.8 days), which
+# every timeout field on the way holds. Larger ones overflow in the backend (timeout=1e10 made
+# every healthy check fail at once); numguard's own clock still uses the value as given.
+MAX_TORCH_TIMEOUT_S = (2 ** 31 - 1) / 1000
+
+
+def torch_timeout(seconds: float) -> timedelta:
+    """``seconds`` as the timedelta passed to torch: at least 1 ms (zero means "no timeout" to
+    ``Work.wait``), at most :data:`MAX_TORCH_TIMEOUT_S`."""
+    return timedelta(seconds=min(max(seconds, 0.001), MAX_TORCH_TIMEOUT_S))
 
 
 class _GroupState:
@@ -249,11 +266,10 @@ def _wait(work, st: _GroupState, what: str, site: str, timeout_s: float) -> None
         return
     first = min(_POST_AFTER_S, timeout_s)
     if st.device.type == "cpu":
-        # NOTE: a zero timedelta means "no timeout" to Work.wait: every phase waits >= 1 ms.
         phases = [first] + ([timeout_s - first] if timeout_s - first >= 0.001 else [])
         for i, phase_s in enumerate(phases):
             try:
-                if work.wait(timedelta(seconds=max(phase_s, 0.001))) is not False:
+                if work.wait(torch_timeout(phase_s)) is not False:
                     return
             except RuntimeError as exc:
                 if not _is_timeout(exc):
@@ -320,7 +336,7 @@ _BACKEND_MARGIN_S = 1.0
 
 
 def _backend_timeout(timeout_s: float) -> timedelta:
-    return timedelta(seconds=timeout_s + _BACKEND_MARGIN_S)
+    return torch_timeout(timeout_s + _BACKEND_MARGIN_S)
 
 
 def _cpu_all_reduce(st: _GroupState, tensor: torch.Tensor, op, timeout_s: float):

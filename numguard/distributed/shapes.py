@@ -30,8 +30,9 @@ word    meaning
 ====== =========================================================================================
 
 Description tokens, depth first: a tensor is ``1, dtype code, ndim, dims...``; a list ``2, n``;
-a tuple ``3, n``; a dict ``4, n`` then, per item, a 63-bit hash of ``repr(key)`` and the value;
-None ``5``; any other leaf ``6, type code`` (scalar values are not compared).
+a tuple ``3, n``; a dict ``4, n`` then, per item in canonical order (NOTE: [dict order]), a
+63-bit hash of ``repr(key)`` and the value; None ``5``; any other leaf ``6, type code`` (scalar
+values are not compared).
 The record is built with ``struct`` in a preallocated buffer; only on a mismatch are the tokens
 decoded to write the message.
 """
@@ -104,6 +105,19 @@ class TensorSpec:
         self.dtype = dtype
 
 
+# NOTE: [dict order]
+# Dicts are described in canonical order, sorted by repr(key): dicts equal as dicts compare equal
+# whatever order their keys were inserted in (ranks often build them differently: a comprehension
+# over a set, keys added as they become ready). Insertion order still matters to code that pairs
+# values by position: torch's object collectives pickle a dict in insertion order (the receiver
+# gets the sender's order), and `for k, v in d.items(): dist.all_reduce(v)` pairs the k-th value
+# of each rank. Such a loop must iterate in a canonical order (`for k in sorted(d)`); with
+# guard_collectives() each of its all_reduces is checked on its own, which catches it when the
+# paired values differ in shape or dtype.
+def _dict_items(obj: dict):
+    return sorted(obj.items(), key=lambda item: repr(item[0]))
+
+
 def _describe(obj, tokens: list, dtype_at: list) -> int:
     """Append ``obj``'s tokens; return its number of leaves."""
     if isinstance(obj, (torch.Tensor, TensorSpec)):
@@ -125,7 +139,7 @@ def _describe(obj, tokens: list, dtype_at: list) -> int:
         tokens.append(_DICT)
         tokens.append(len(obj))
         n = 0
-        for key, item in obj.items():
+        for key, item in _dict_items(obj):
             tokens.append(_key_hash(key))
             n += _describe(item, tokens, dtype_at)
         return n
@@ -323,7 +337,10 @@ def mismatch_message(out: bytearray, world: int, obj, op: str, me: int | None = 
                          "numguard version, or a different collective at this point)")
             continue
         if rec.op_hash != rref.op_hash:
-            diffs.append(f"  - Process {r}: operation `{rec.op}` instead of `{rref.op}`")
+            # Another collective: its arguments and inputs differ as a matter of course.
+            diffs.append(f"  - Process {r}: operation `{rec.op}` instead of `{rref.op}` (the "
+                         "ranks are at different collectives)")
+            continue
         if rec.details_hash != rref.details_hash:
             diffs.append(f"  - Process {r}: arguments `{rec.details}` instead of `{rref.details}`")
         la, lb = parsed[ref][2], parsed[r][2]
@@ -390,8 +407,9 @@ def check_shapes(obj, op: str | None = None, group=None, timeout: float | None =
     layout]) on the group's collective device; only when the hashes differ, one all_gather of
     the fixed-size records. On a mismatch every rank raises
     :class:`DistributedOperationException` listing the same differences; a rank that does not
-    arrive in time makes the others raise :class:`DistributedTimeoutError` naming it. Does
-    nothing without an initialized process group, with one rank, or on a rank outside ``group``.
+    arrive in time makes the others raise :class:`DistributedTimeoutError` naming it. Dicts
+    compare by key, whatever their insertion order (NOTE: [dict order]). Does nothing without an
+    initialized process group, with one rank, or on a rank outside ``group``.
     """
     if not _co.is_initialized():
         return
