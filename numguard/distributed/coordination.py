@@ -1,13 +1,12 @@
 """Small fixed-size collectives numguard runs beside the user's own, with a timeout that names
 the ranks that never arrived.
 
-Every numguard collective goes through :func:`run_collective`:
+Every numguard collective goes through :func:`timed_all_reduce` or :func:`timed_all_gather`:
 
-- it uses ``torch.distributed.distributed_c10d``'s functions directly, never the names in the
-  ``torch.distributed`` namespace, so the collective guard (which wraps those names) cannot recurse
-  into itself;
-- it waits with a timeout (``Work.wait(timeout)`` on CPU backends; polling ``Work.is_completed()``
-  on CUDA backends, whose ``wait`` does not block the host);
+- they run on numguard's own process group over the same ranks (see NOTE: [own process group]),
+  so a check can never pair with a user collective that another rank is in;
+- they wait with a timeout (``Work.wait(timeout)`` on CPU backends; polling
+  ``Work.is_completed()`` on CUDA backends, whose ``wait`` does not block the host);
 - a check still waiting after 50 ms writes its check number into the default store under a key
   of its own (one key per rank and group, overwritten; see NOTE: [arrivals]). On timeout it reads
   the other ranks' keys and names those whose check number is behind, in a
@@ -16,12 +15,20 @@ Every numguard collective goes through :func:`run_collective`:
 The coordinated-trip helpers used by the inspector live here too: :func:`exchange_trip` (one
 all_reduce of an int64[world_size] flag vector) and :func:`gather_trip_details` (one all_gather of
 a fixed-size encoded module name, only after a trip).
+
+Per-group state is released when the group is destroyed (``destroy_process_group`` is wrapped)
+and at interpreter exit (see NOTE: [teardown]). Threads sharing a group's numguard collectives
+run them one after the other, with a one-time warning (see :func:`exclusive`).
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
+import functools
 import os
 import struct
 import sys
+import threading
 import time
 import warnings
 from datetime import timedelta
@@ -31,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as _c10d
 
 from ._env import dist_timeout
-from .errors import DistributedOperationException, DistributedTimeoutError
+from .errors import DistributedOperationException, DistributedTimeoutError, DistributedWarning
 
 _NUMGUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -69,9 +76,20 @@ def call_site() -> str:
     return "<unknown>"
 
 
+def _user_stacklevel() -> int:
+    """``stacklevel`` for a ``warnings.warn`` made by the caller of this function's caller that
+    points at the first frame outside numguard and torch."""
+    frame = sys._getframe(2)
+    level = 2
+    while frame is not None and _internal(frame.f_code.co_filename):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
 def collective_device(group=None) -> torch.device:
-    """The device numguard's own tensors for ``group`` live on: CPU when the group has a gloo
-    backend (also for ``cpu:gloo,cuda:nccl``), else the current CUDA device for nccl."""
+    """The device the user's collectives on ``group`` use: CPU when the group has a gloo backend
+    (also for ``cpu:gloo,cuda:nccl``), else the current CUDA device for nccl."""
     backend = str(dist.get_backend(group)).lower()
     if "gloo" in backend or "mpi" in backend:
         return torch.device("cpu")
@@ -95,8 +113,56 @@ def torch_timeout(seconds: float) -> timedelta:
     return timedelta(seconds=min(max(seconds, 0.001), MAX_TORCH_TIMEOUT_S))
 
 
+def _warn(message: str) -> None:
+    warnings.warn(message, DistributedWarning, stacklevel=_user_stacklevel())
+
+
+# NOTE: [own process group]
+# numguard's check traffic (check_shapes, check_trigger, in-order logs, trip exchanges) runs on
+# a gloo process group of numguard's own over the ranks of the user's group. On the user's group
+# itself a check pairs with whatever collective another rank is in: a rank that runs one more
+# DDP step or guarded collective than the others met their barrier with a numguard check.
+# The group is built directly (ProcessGroupGloo over a PrefixStore of the default store, under
+# numguard/side/<group name>/), not with new_group: new_group is collective over the whole
+# default group and advances torch's group counter (renaming the user's later groups), while
+# this touches nothing of torch's. Its devices connect lazily, so creating it needs no meeting:
+# every rank creates it with its first numguard collective on the group, and the connections
+# open in that collective, which every rank of the group reaches like any collective. It is
+# released with the user's
+# group (NOTE: [teardown]). Where it cannot be built (gloo missing, no usable interface),
+# numguard warns once and shares the user's group as before. On nccl jobs the checks thereby run
+# on CPU (their records are host bytes: no device copies).
+# A lazy connection waits for its peer with the group's creation timeout (an operation's own
+# timeout does not cover it, measured), so the group is created with the check timeout of
+# NUMGUARD_DIST_TIMEOUT (plus the backend margin): a process whose first check found a rank
+# missing can exit once that has passed, not after gloo's default 30 minutes.
+_OWN_GROUP_PREFIX = "numguard/side/"
+
+
+def _own_group_timeout() -> timedelta:
+    try:
+        return _backend_timeout(dist_timeout())
+    except ValueError:  # an invalid NUMGUARD_DIST_TIMEOUT is reported by the check itself
+        return _backend_timeout(60.0)
+
+
+def _new_own_group(rank_in_group: int, world: int, store, name: str, global_ranks):
+    gloo = dist.ProcessGroupGloo
+    opts = gloo._Options()
+    opts._timeout = _own_group_timeout()
+    interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
+    opts._devices = ([gloo.create_device(interface=i, lazy_init=True) for i in interfaces]
+                     or [gloo.create_default_device(lazy_init=True)])
+    opts._threads = 1  # numguard's operations run one at a time
+    opts.global_ranks_in_group = list(global_ranks)
+    opts.group_name = f"numguard/{name}"
+    return gloo(dist.PrefixStore(f"{_OWN_GROUP_PREFIX}{name}/", store), rank_in_group, world,
+                opts)
+
+
 class _GroupState:
-    """Per process group: ranks, device, the check counter, the store and preallocated buffers."""
+    """Per process group: ranks, numguard's own group (``comm``) and its device, the check
+    counter, the store, preallocated buffers, the lock of :func:`exclusive`."""
 
     def __init__(self, group):
         self.group = group
@@ -105,10 +171,10 @@ class _GroupState:
         self.global_ranks = (
             list(range(self.world)) if group is None else dist.get_process_group_ranks(group)
         )
-        self.device = collective_device(group)
         pg = group if group is not None else _c10d._get_default_group()
         self.pg = pg
         self.name = str(getattr(pg, "group_name", None) or id(pg))
+        self.parent_device = collective_device(group)
         self.seq = 0
         self.store = None
         try:
@@ -116,9 +182,51 @@ class _GroupState:
         except Exception:  # no store (e.g. a backend initialised without one): no arrival tracking
             self.store = None
         self.buffers: dict[int, tuple] = {}
+        self.lock = threading.RLock()
+        self.holder: str | None = None
+        self.warned: set = set()
+        self.broken: str | None = None  # why numguard stopped using its group (a timeout)
+        self.own_group = None
+        self.comm, self.device = self._open_comm()
         self.gather_single = getattr(_c10d, "all_gather_single", None)
         if self.gather_single is None:
             self.gather_single = getattr(_c10d, "all_gather_into_tensor", None)
+
+    def _open_comm(self):
+        """(the process group numguard's collectives use, its device)."""
+        if self.world > 1 and self.store is not None:
+            try:
+                self.own_group = _new_own_group(self.rank, self.world, self.store, self.name,
+                                                self.global_ranks)
+                return self.own_group, torch.device("cpu")
+            except Exception as exc:  # gloo missing or no usable interface: share the group
+                self.warn_once("own group", (
+                    f"numguard.distributed: cannot create numguard's own gloo process group for "
+                    f"process group {self.name!r} ({type(exc).__name__}: {exc}); numguard's "
+                    "checks share that group, where a rank that runs one collective more than "
+                    "the others meets them with a check. Set GLOO_SOCKET_IFNAME to a usable "
+                    "network interface to get numguard's own group."))
+        return self.pg, self.parent_device
+
+    def warn_once(self, kind: str, message: str) -> None:
+        if kind not in self.warned:
+            self.warned.add(kind)
+            _warn(message)
+
+    def close(self) -> None:
+        """Shut numguard's own group down and drop every reference to the user's group."""
+        own, self.own_group = self.own_group, None
+        self.comm = self.pg = self.group = self.store = None
+        self.buffers.clear()
+        if own is None:
+            return
+        try:
+            if self.broken:  # a collective left pending by a timeout: do not wait for it
+                own.abort()
+            else:
+                own.shutdown()
+        except Exception:  # releasing must never fail the user's teardown
+            pass
 
     def arrival_key(self, global_rank: int) -> str:
         return f"numguard/arrived/{self.name}/{global_rank}"
@@ -154,16 +262,113 @@ class _GroupState:
         return bufs
 
 
+# ---------------------------------------------------------------------------------------------
+# Per-group state and its release
+
+# NOTE: [teardown]
+# A ProcessGroupGloo (or the store it holds) still referenced when the interpreter tears down is
+# destroyed with its threads unjoined: "terminate called without an active exception" (SIGABRT)
+# in about half the runs of a script that called destroy_process_group and exited normally,
+# measured. numguard's per-group state held the user's group past destroy_process_group, and
+# holds numguard's own group. So the state of a group is released (own group shut down,
+# references dropped) when destroy_process_group is called through torch.distributed or
+# distributed_c10d (both names wrapped once, when numguard first creates state), and everything
+# is released by an atexit handler, which runs before the interpreter tears down, also for a
+# destroy_process_group imported by name before numguard was.
 _STATES: dict = {}
+_RELEASE_HOOKS: list = []
+_lifecycle_lock = threading.Lock()
+_lifecycle_installed = False
 
 
 def group_state(group=None) -> _GroupState:
     key = group if group is not None else _c10d._world.default_pg
     st = _STATES.get(key)
     if st is None:
+        _install_lifecycle()
         st = _STATES[key] = _GroupState(group)
     return st
 
+
+def on_release(hook) -> None:
+    """Call ``hook(group)`` when numguard releases a group's state (``group`` None: all groups)."""
+    _RELEASE_HOOKS.append(hook)
+
+
+def release(group=None) -> None:
+    """Forget numguard's state for ``group`` (every group when None or the default group): shut
+    numguard's own group down and drop the references to the user's group and store."""
+    everything = group is None or group is _c10d.GroupMember.WORLD or (
+        group is _c10d._world.default_pg)
+    keys = list(_STATES) if everything else [k for k in _STATES if k is group]
+    for key in keys:
+        _STATES.pop(key).close()
+    for hook in _RELEASE_HOOKS:
+        hook(None if everything else group)
+
+
+def _releasing(destroy):
+    @functools.wraps(destroy)
+    def destroy_process_group(group=None, *args, **kwargs):
+        try:
+            release(group)
+        except Exception as exc:  # never stand in the way of the user's teardown
+            _warn(f"numguard.distributed: releasing numguard's state failed ({exc}).")
+        return destroy(group, *args, **kwargs)
+
+    destroy_process_group.__numguard_original__ = destroy
+    return destroy_process_group
+
+
+def _release_at_exit() -> None:
+    try:
+        release(None)
+    except Exception:
+        pass
+
+
+def _install_lifecycle() -> None:
+    global _lifecycle_installed
+    with _lifecycle_lock:
+        if _lifecycle_installed:
+            return
+        _lifecycle_installed = True
+        atexit.register(_release_at_exit)
+        original = getattr(_c10d, "destroy_process_group", None)
+        if original is None or hasattr(original, "__numguard_original__"):
+            return
+        wrapped = _releasing(original)
+        for namespace in (dist, _c10d):
+            if getattr(namespace, "destroy_process_group", None) is original:
+                setattr(namespace, "destroy_process_group", wrapped)
+
+
+@contextlib.contextmanager
+def exclusive(st: _GroupState, what: str):
+    """Run one numguard operation on ``st``'s group at a time in this process. A second thread
+    that comes while one is inside waits for it, after a one-time warning: its check numbers and
+    buffers stay intact, but ranks may order the threads differently."""
+    if not st.lock.acquire(blocking=False):
+        me = threading.current_thread().name
+        st.warn_once("threads", (
+            f"numguard.distributed: thread {me!r} started {what} on process group {st.name!r} "
+            f"while thread {st.holder!r} was inside another numguard operation on it. numguard "
+            "runs them one after the other on this rank, but each rank may order the threads "
+            "differently and so pair different collectives across ranks. Run a process group's "
+            "collectives from one thread, or give each thread its own group "
+            "(torch.distributed.new_group)."))
+        st.lock.acquire()
+    outer = st.holder
+    st.holder = threading.current_thread().name
+    try:
+        yield
+    finally:
+        st.holder = outer
+        st.lock.release()
+
+
+# ---------------------------------------------------------------------------------------------
+# Timed collectives
 
 def _mark_arrival(st: _GroupState) -> None:
     st.seq += 1
@@ -176,12 +381,8 @@ def _post_arrival(st: _GroupState, seq: int | None = None) -> None:
     try:
         st.store.set(st.arrival_key(st.global_ranks[st.rank]), str(st.seq if seq is None else seq))
     except Exception as exc:  # store gone: keep going, lose only the names of missing ranks
-        warnings.warn(
-            f"numguard.distributed: cannot write to the process group's store ({exc}); "
-            "a timeout will not be able to name the missing ranks.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+        _warn(f"numguard.distributed: cannot write to the process group's store ({exc}); "
+              "a timeout will not be able to name the missing ranks.")
         st.store = None
 
 
@@ -226,6 +427,8 @@ def _timeout_error(st: _GroupState, what: str, site: str, timeout_s: float, caus
         f"numguard.distributed: {what} (numguard check #{st.seq} of process group "
         f"{st.name!r}, called at {site}) {how}"
     )
+    # numguard's own group now has an operation left pending: later checks would pair with it.
+    st.broken = head
     lines = [head]
     if missing is None:
         lines.append("Could not read the process group's store to name the missing ranks.")
@@ -245,9 +448,9 @@ def _timeout_error(st: _GroupState, what: str, site: str, timeout_s: float, caus
     if cause is not None:
         lines.append(f"Backend error: {cause}")
     lines.append(
-        "A rank that never arrives is usually stuck in an earlier step, crashed, or took another "
-        "code path. The abandoned collective stays pending: do not use this process group again; "
-        "let the exception end the process."
+        "A rank that never arrives is usually stuck in an earlier step (a collective numguard "
+        "does not check, such as DDP's gradient all_reduce), crashed, or took another code path. "
+        "numguard stops checking this process group; let the exception end the process."
     )
     return DistributedTimeoutError("\n".join(lines), missing)
 
@@ -301,22 +504,23 @@ def timed_all_gather(st: _GroupState, words: int, what: str, site: str, timeout=
     hin_b, hin, din, hout_b, hout, dout = st.gather_buffers(words)
     if din is not hin:
         din.copy_(hin, non_blocking=False)
-    _mark_arrival(st)
-    work = None
-    if st.device.type == "cpu":
-        work = _cpu_all_gather(st, dout, din, words, timeout_s)
-    else:
-        if st.gather_single is not None:
-            try:
-                work = st.gather_single(dout, din, group=st.group, async_op=True)
-            except RuntimeError as exc:
-                if "supported" not in str(exc).lower():
-                    raise
-                st.gather_single = None
-        if work is None:
-            outs = list(dout.view(st.world, words).unbind(0))
-            work = _c10d.all_gather(outs, din, group=st.group, async_op=True)
-    _wait(work, st, what, site, timeout_s)
+    with exclusive(st, what):
+        _mark_arrival(st)
+        work = None
+        if st.device.type == "cpu":
+            work = _cpu_all_gather(st, dout, din, words, timeout_s)
+        else:
+            if st.gather_single is not None:
+                try:
+                    work = st.gather_single(dout, din, group=st.group, async_op=True)
+                except RuntimeError as exc:
+                    if "supported" not in str(exc).lower():
+                        raise
+                    st.gather_single = None
+            if work is None:
+                outs = list(dout.view(st.world, words).unbind(0))
+                work = _c10d.all_gather(outs, din, group=st.group, async_op=True)
+        _wait(work, st, what, site, timeout_s)
     if dout is not hout:
         hout.copy_(dout)
     return hout_b
@@ -345,8 +549,10 @@ def _cpu_all_reduce(st: _GroupState, tensor: torch.Tensor, op, timeout_s: float)
         opts.reduceOp = op
         opts.asyncOp = True
         opts.timeout = _backend_timeout(timeout_s)
-        return st.pg.allreduce([tensor], opts)
+        return st.comm.allreduce([tensor], opts)
     except (AttributeError, TypeError):  # an older torch without these options
+        if st.comm is not st.pg:
+            raise
         return _c10d.all_reduce(tensor, op=op, group=st.group, async_op=True)
 
 
@@ -355,9 +561,11 @@ def _cpu_all_gather(st: _GroupState, dout, din, words: int, timeout_s: float):
         opts = _c10d.AllgatherOptions()
         opts.asyncOp = True
         opts.timeout = _backend_timeout(timeout_s)
-        method = getattr(st.pg, "all_gather_single", None) or st.pg._allgather_base
+        method = getattr(st.comm, "all_gather_single", None) or st.comm._allgather_base
         return method(dout, din, opts)
     except (AttributeError, TypeError):
+        if st.comm is not st.pg:
+            raise
         outs = list(dout.view(st.world, words).unbind(0))
         return _c10d.all_gather(outs, din, group=st.group, async_op=True)
 
@@ -367,25 +575,27 @@ def timed_all_reduce(st: _GroupState, tensor: torch.Tensor, op, what: str, site:
     """All-reduce ``tensor`` (on ``st.device``) in place; with ``wait=False`` return the work
     handle for :func:`wait_work`."""
     timeout_s = dist_timeout(timeout)
-    _mark_arrival(st)
-    if st.device.type == "cpu":
-        work = _cpu_all_reduce(st, tensor, op, timeout_s)
-    else:
-        work = _c10d.all_reduce(tensor, op=op, group=st.group, async_op=True)
-    if not wait:
-        return work, st.seq, timeout_s
-    _wait(work, st, what, site, timeout_s)
+    with exclusive(st, what):
+        _mark_arrival(st)
+        if st.device.type == "cpu":
+            work = _cpu_all_reduce(st, tensor, op, timeout_s)
+        else:
+            work = _c10d.all_reduce(tensor, op=op, group=st.group, async_op=True)
+        if not wait:
+            return work, st.seq, timeout_s
+        _wait(work, st, what, site, timeout_s)
     return None
 
 
 def wait_work(st: _GroupState, work, seq: int, what: str, site: str, timeout_s: float) -> None:
     """Finish a collective started with ``wait=False``, naming missing ranks on timeout."""
-    cur = st.seq
-    st.seq = seq
-    try:
-        _wait(work, st, what, site, timeout_s)
-    finally:
-        st.seq = cur
+    with exclusive(st, what):
+        cur = st.seq
+        st.seq = seq
+        try:
+            _wait(work, st, what, site, timeout_s)
+        finally:
+            st.seq = cur
 
 
 # ---------------------------------------------------------------------------------------------
@@ -418,11 +628,12 @@ def exchange_trip(tripped: torch.Tensor, group=None, blocking: bool | None = Non
     if blocking is None:
         blocking = st.device.type == "cpu"
     what = "numguard trip exchange (all_reduce)"
-    if blocking:
+    if blocking or st.device.type == "cpu":  # host flags (numguard's own group): wait for them
         timed_all_reduce(st, flags, dist.ReduceOp.SUM, what, call_site())
     else:
-        _mark_arrival(st)
-        work = _c10d.all_reduce(flags, op=dist.ReduceOp.SUM, group=st.group, async_op=True)
+        with exclusive(st, what):
+            _mark_arrival(st)
+            work = _c10d.all_reduce(flags, op=dist.ReduceOp.SUM, group=st.group, async_op=True)
         if work is not None:
             work.wait()  # stream-ordered on CUDA: no host sync
     return flags
@@ -456,13 +667,16 @@ def gather_trip_details(module_name: str | None, batch_number: int, group=None,
     if not is_initialized():
         return [(0, module_name)] if tripped else []
     st = group_state(group)
-    hin_b, *_ = st.gather_buffers(_DETAIL_WORDS)
-    payload = b"" if module_name is None else _encode_name(module_name, (_DETAIL_WORDS - 3) * 8)
-    flags = (1 if tripped else 0) | (2 if module_name is not None else 0)
-    struct.pack_into("<qqq", hin_b, 0, _DETAIL_MAGIC, int(batch_number),
-                     flags | (len(payload) << 8))
-    hin_b[24:] = payload.ljust((_DETAIL_WORDS - 3) * 8, b"\0")
-    out = timed_all_gather(st, _DETAIL_WORDS, "numguard trip details (all_gather)", call_site())
+    with exclusive(st, "the trip details exchange"):
+        hin_b, *_ = st.gather_buffers(_DETAIL_WORDS)
+        payload = b"" if module_name is None else _encode_name(module_name,
+                                                               (_DETAIL_WORDS - 3) * 8)
+        flags = (1 if tripped else 0) | (2 if module_name is not None else 0)
+        struct.pack_into("<qqq", hin_b, 0, _DETAIL_MAGIC, int(batch_number),
+                         flags | (len(payload) << 8))
+        hin_b[24:] = payload.ljust((_DETAIL_WORDS - 3) * 8, b"\0")
+        out = bytes(timed_all_gather(st, _DETAIL_WORDS, "numguard trip details (all_gather)",
+                                     call_site()))
     result = []
     for r in range(st.world):
         base = r * _DETAIL_WORDS * 8
@@ -479,11 +693,13 @@ def gather_trip_details(module_name: str | None, batch_number: int, group=None,
 
 __all__ = [
     "DistributedOperationException",
+    "MAX_TORCH_TIMEOUT_S",
     "call_site",
     "collective_device",
     "exchange_trip",
     "gather_trip_details",
     "is_initialized",
     "rank",
+    "release",
     "world_size",
 ]

@@ -3,7 +3,7 @@ shapes, dtypes, operation, other arguments, call site) in ONE fixed-size int64 r
 pickling.
 
 How ranks agree (NOTE: [agreement by all_reduce]): a healthy check is ONE all_reduce(MAX) of two
-int64 (the record's 62-bit hash and its negation) on the group's collective device; the ranks
+int64 (the record's 62-bit hash and its negation) on numguard's own process group; the ranks
 all-gather the full records (one [world, 256] int64 all_gather into a preallocated buffer) only
 when the hashes differ, to write the message. Measured on gloo (benchmarks/bench_distributed.py),
 the all_reduce of 16 bytes costs less than all-gathering 2 KiB per rank on every check
@@ -404,12 +404,14 @@ def check_shapes(obj, op: str | None = None, group=None, timeout: float | None =
             shown when they differ.
 
     Runs one all_reduce of two int64 (the hash of this rank's record, see NOTE: [check record
-    layout]) on the group's collective device; only when the hashes differ, one all_gather of
-    the fixed-size records. On a mismatch every rank raises
-    :class:`DistributedOperationException` listing the same differences; a rank that does not
-    arrive in time makes the others raise :class:`DistributedTimeoutError` naming it. Dicts
-    compare by key, whatever their insertion order (NOTE: [dict order]). Does nothing without an
-    initialized process group, with one rank, or on a rank outside ``group``.
+    layout]) on numguard's own gloo group over the same ranks (NOTE: [own process group] in
+    coordination.py); only when the hashes differ, one all_gather of the fixed-size records. On a
+    mismatch every rank raises :class:`DistributedOperationException` listing the same
+    differences; a rank that does not arrive in time makes the others raise
+    :class:`DistributedTimeoutError` naming it, after which numguard stops checking the group
+    (warned once). Dicts compare by key, whatever their insertion order (NOTE: [dict order]).
+    Does nothing without an initialized process group, with one rank, or on a rank outside
+    ``group``.
     """
     if not _co.is_initialized():
         return
@@ -419,7 +421,17 @@ def check_shapes(obj, op: str | None = None, group=None, timeout: float | None =
     if st.world == 1:
         return
     op_name = op if op is not None else "numguard.distributed.check_shapes"
+    if st.broken is not None:
+        st.warn_once("broken", (
+            f"numguard.distributed: `{op_name}` and later collectives of process group "
+            f"{st.name!r} are not checked: numguard stopped using the group after: {st.broken}"))
+        return
     site = _co.call_site()
+    with _co.exclusive(st, f"the check of `{op_name}`"):
+        _check(st, obj, op_name, site, timeout, details)
+
+
+def _check(st, obj, op_name: str, site: str, timeout, details: str) -> None:
     if FAST_PATH == "all_reduce":
         full = description_hash(obj, op_name, details)
         # NOTE: [agreement by all_reduce] MAX of (h, -h) gives (max h, -min h): equal hashes on
