@@ -533,6 +533,161 @@ def scenario_uneven(rank, world):
     return res
 
 
+def _watched_model(seed=0):
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def _train(model, rank, steps, nan_rank=None, nan_step=None):
+    """Train ``steps`` steps; return (steps done, (step, ranks) of a NonFiniteError or None)."""
+    import torch
+
+    import numguard
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    done = []
+    for step in range(steps):
+        x = torch.randn(3, 4)
+        if rank == nan_rank and step == nan_step:
+            x[0, 0] = float("nan")
+        try:
+            model(x).sum().backward()
+        except numguard.NonFiniteError as exc:
+            return done, [step, list(exc.ranks)]
+        opt.step()
+        opt.zero_grad()
+        done.append(step)
+    return done, None
+
+
+def _warnings_of(fn):
+    import warnings
+
+    from numguard.distributed import DistributedWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _catch(fn)
+    out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, DistributedWarning)]
+    return out
+
+
+def scenario_partial_exchange(rank, world):
+    """The trip exchange reached by some ranks only: a grad-enabled evaluation on one rank, and
+    watch() on one rank. DDP training follows each case. No rank may crash or hang; a NaN
+    planted on rank 1 after the evaluation must still make every rank raise in the same step."""
+    import torch
+    import torch.distributed as dist
+
+    import numguard
+
+    res = {}
+    cases = [("eval", 0, 1), ("eval", 0, 3), ("eval", 1, 2), ("watch_one", 0, 0),
+             ("watch_one", 1, 0)]
+    for kind, who, batches in cases:
+        net = _watched_model()
+        model = torch.nn.parallel.DistributedDataParallel(net)
+        watching = kind != "watch_one" or rank == who
+        insp = numguard.watch(net, report_to=None) if watching else None
+
+        def case():
+            if kind == "eval" and rank == who:
+                for _ in range(batches):
+                    model(torch.randn(3, 4))  # gradients enabled, no backward: not a train step
+            if kind == "eval":
+                return _train(model, rank, 4, nan_rank=1, nan_step=2)
+            return _train(model, rank, 3)
+
+        try:
+            res[f"{kind}/{who}/{batches}"] = _warnings_of(case)
+        finally:
+            if insp is not None:
+                insp.close()
+        dist.barrier()
+    return res
+
+
+def scenario_exchange_details(rank, world):
+    """Batch numbers in the trip exchange, the call site named by its warnings, huge timeouts,
+    dicts built in different orders, threads sharing a group's checks."""
+    import threading
+
+    import torch
+
+    import numguard.distributed as ngd
+    from numguard.distributed import coordination as co
+
+    res = {}
+    # Ranks checking different batches (check_every 1 on rank 0, 2 on rank 1).
+    pairs = []
+    for k in range(3):
+        mine = k if rank == 0 else 2 * k + 1
+        out = _warnings_of(lambda: ngd.exchange_trip(torch.tensor(0), batch_number=mine).tolist())
+        out["last"] = co.last_exchange()
+        pairs.append(out)
+    res["batches"] = pairs
+    same = _warnings_of(lambda: ngd.exchange_trip(torch.tensor(1 - rank), batch_number=7).tolist())
+    same["last"] = co.last_exchange()
+    res["same_batch"] = same
+    res["details"] = [list(d) + [d.batch] for d in ngd.gather_trip_details(
+        "mlp" if rank == 0 else None, 7)]
+    # Huge timeouts, from the argument and from the variable.
+    huge = {}
+    for value in (1e7, 1e9, 1e10, 1e12, 1e300):
+        huge[f"arg {value:g}"] = _catch(lambda: ngd.check_shapes(torch.zeros(3), op="huge",
+                                                                 timeout=value))
+        os.environ["NUMGUARD_DIST_TIMEOUT"] = repr(value)
+        try:
+            huge[f"env {value:g}"] = _catch(lambda: ngd.check_shapes(torch.zeros(3), op="huge"))
+            huge[f"trigger env {value:g}"] = _catch(lambda: ngd.check_trigger())
+        finally:
+            del os.environ["NUMGUARD_DIST_TIMEOUT"]
+    guard = ngd.guard_collectives(timeout=1e10)
+    try:
+        import torch.distributed as dist
+
+        t = torch.ones(2)
+        huge["guard 1e10"] = _catch(lambda: dist.all_reduce(t) or t.tolist())
+    finally:
+        guard.remove()
+    res["huge"] = huge
+    # Equal dicts built in different orders, nested, with keys of several types.
+    keys = ["b", "a", 3, ("t", 1), "c"]
+    order = keys if rank == 0 else list(reversed(keys))
+    d = {k: torch.zeros(len(str(k))) for k in order}
+    d["nested"] = {k: [torch.ones(2), None] for k in (keys[:3] if rank else keys[2::-1])}
+    res["dict_order"] = _catch(lambda: ngd.check_shapes(d, op="dicts"))
+    # Different values under the same keys are still caught, whatever the order.
+    d2 = dict(d)
+    d2["a"] = torch.zeros(5 + rank)
+    res["dict_value_differs"] = _catch(lambda: ngd.check_shapes(d2, op="dicts"))
+    # Threads sharing the default group's checks.
+    outcomes = {"A": [], "B": []}
+
+    def worker(name, n):
+        for _ in range(20):
+            try:
+                ngd.check_shapes(torch.zeros(n), op="thread", timeout=30)
+                outcomes[name].append("ok")
+            except Exception as exc:  # noqa: BLE001 - the test inspects it
+                outcomes[name].append(type(exc).__name__)
+
+    def run_threads():
+        threads = [threading.Thread(target=worker, args=("A", 3), name="A"),
+                   threading.Thread(target=worker, args=("B", 4), name="B")]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        return {k: v for k, v in outcomes.items()}
+
+    res["threads"] = _warnings_of(run_threads)
+    res["after_threads"] = _catch(lambda: ngd.check_shapes(torch.ones(2), op="after threads"))
+    return res
+
+
 def main(argv):
     name, out = argv[1], argv[2]
     result = {}

@@ -1,6 +1,6 @@
 """numguard.distributed under hostile conditions: process groups destroyed before exit, ranks
-that run uneven collectives, dicts in different orders, huge timeouts, call sites inside torch,
-threads.
+that run uneven collectives, trip exchanges that only some ranks reach, dicts in different
+orders, ranks checking different batches, huge timeouts, call sites inside torch, threads.
 
 Multi-rank cases run real gloo process groups on loopback (dist_workers.py); each launch batches
 many generated cases. The rest run in-process."""
@@ -22,8 +22,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dist_workers  # noqa: E402
 
 import numguard.distributed as ngd  # noqa: E402
-from numguard.distributed import coordination, shapes  # noqa: E402
+from numguard.distributed import coordination, rendezvous, shapes  # noqa: E402
 
+
+# ---------------------------------------------------------------------------------------------
+# in-process
 
 def _random_nested(rng, depth=0):
     """A nest of dicts/lists/tuples of tensors, None and scalars, keys of several types."""
@@ -141,23 +144,6 @@ def test_call_site_does_not_skip_a_file_beside_the_numguard_package(tmp_path):
     assert scope["step"]() == f"{lookalike}:2"
 
 
-def test_polling_wait_keeps_working_with_a_huge_timeout():
-    class DoneLater:
-        def __init__(self):
-            self.polls = 0
-
-        def is_completed(self):
-            self.polls += 1
-            return self.polls > 3
-
-        def wait(self, *a):
-            return True
-
-    st = SimpleNamespace(device=torch.device("cpu"), store=None, seq=1, global_ranks=[0, 1],
-                         rank=0, name="0")
-    coordination._wait(DoneLater(), st, "`op`", "here.py:1", 1e10)  # CPU path: Work.wait(cap)
-
-
 class _FakeGroup:
     """What coordination.exclusive needs of a group state."""
 
@@ -205,6 +191,131 @@ def test_threads_sharing_a_group_run_one_at_a_time_and_are_warned_about_once():
     text = str(thread_warnings[0].message)
     assert "'A'" in text and "process group '0'" in text and "one after the other" in text
 
+
+# The store protocol of the trip exchange, with ranks as threads over one in-memory store.
+
+def _meetings(schedules, grace_s=0.15):
+    """Run ``schedules[r]`` (a list of ("meet", None) / ("pause", seconds) / ("sync", None), the
+    last standing for a collective like DDP's all_reduce) on a thread per rank over one
+    HashStore; return per rank the list of (slot, joined)."""
+    store = torch.distributed.HashStore()
+    world = len(schedules)
+    results = [[] for _ in range(world)]
+    errors = []
+    sync = threading.Barrier(world)
+
+    def rank_main(r):
+        try:
+            rv = rendezvous.Rendezvous(store, "t/", list(range(world)), r)
+            for what, arg in schedules[r]:
+                if what == "pause":
+                    time.sleep(arg)
+                elif what == "sync":
+                    sync.wait(30)
+                else:
+                    m = rv.meet(grace_s)
+                    results[r].append((m.slot, m.joined))
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            errors.append((r, repr(exc)))
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not any(th.is_alive() for th in threads), "a rank hung in the rendezvous"
+    assert errors == []
+    for r, schedule in enumerate(schedules):  # every meeting returned
+        assert len(results[r]) == sum(what == "meet" for what, _ in schedule), (r, results)
+    return results
+
+
+def _random_schedule(rng, n):
+    out = []
+    for _ in range(n):
+        if rng.random() < 0.3:
+            out.append(("pause", rng.choice([0.0, 0.01, 0.05, 0.3])))
+        out.append(("meet", None))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_rendezvous_outcomes_agree_across_ranks(seed):
+    """Ranks with different numbers of exchanges and random delays: a slot is joined by every
+    rank or by none, no rank hangs, and nothing raises."""
+    rng = random.Random(seed)
+    world = rng.choice([2, 3, 4])
+    schedules = [_random_schedule(rng, rng.randint(2, 7)) for _ in range(world)]
+    results = _meetings(schedules)
+    joined = {}
+    for r, res in enumerate(results):
+        for slot, ok in res:
+            if ok:
+                joined.setdefault(slot, set()).add(r)
+    for slot, ranks in joined.items():
+        assert ranks == set(range(world)), (slot, ranks, results)
+
+
+@pytest.mark.parametrize("extra", [1, 2, 4])
+@pytest.mark.parametrize("late_start", [0.0, 0.6])
+@pytest.mark.parametrize("evaluating", [0, 1])
+def test_rendezvous_lines_up_again_after_a_rank_ran_extra_exchanges(extra, late_start,
+                                                                    evaluating):
+    """One rank runs extra exchanges alone (an evaluation with gradients), the other starts
+    training now or later; then both train in lockstep (an exchange, then a collective, as with
+    DDP). Within three steps the ranks meet at every step again."""
+    steps = 7
+    train = [item for _ in range(steps) for item in (("meet", None), ("sync", None))]
+    schedules = [None, None]
+    schedules[evaluating] = [("meet", None)] * extra + train
+    schedules[1 - evaluating] = [("pause", late_start)] + train
+    results = _meetings(schedules, grace_s=0.3)
+    trained = [results[evaluating][extra:], results[1 - evaluating]]
+    for res in trained:
+        assert len(res) == steps
+        assert [ok for _, ok in res[3:]] == [True] * (steps - 3), results
+
+
+def test_rendezvous_alone_stops_waiting():
+    """One rank meeting alone waits the grace once, then briefly once, then not at all (the
+    run finishes far sooner than a grace per exchange would allow)."""
+    store = torch.distributed.HashStore()
+    rv = rendezvous.Rendezvous(store, "alone/", [0, 1], 0)
+    waited = [rv.meet(1.0).waited_s for _ in range(50)]
+    assert waited[0] == 1.0 and 0 < waited[1] < 1.0 and set(waited[2:]) == {0.0}
+    assert not store.check(["alone/3/n"])  # a passive rank writes nothing
+
+
+def test_exchange_grace_is_validated():
+    with pytest.raises(ValueError, match="grace"):
+        coordination._exchange_grace(-1)
+    with pytest.raises(ValueError, match="grace"):
+        coordination._exchange_grace("soon")
+    assert coordination._exchange_grace(0.25) == 0.25
+
+
+def test_trip_details_keep_the_tuple_shape():
+    d = coordination.TripDetail(1, "mlp", 4)
+    assert d == (1, "mlp") and list(d) == [1, "mlp"] and d.batch == 4
+    rank, module = d
+    assert (rank, module) == (1, "mlp")
+
+
+def test_polling_wait_keeps_working_with_a_huge_timeout():
+    class DoneLater:
+        def __init__(self):
+            self.polls = 0
+
+        def is_completed(self):
+            self.polls += 1
+            return self.polls > 3
+
+        def wait(self, *a):
+            return True
+
+    st = SimpleNamespace(device=torch.device("cpu"), store=None, seq=1, global_ranks=[0, 1],
+                         rank=0, name="0")
+    coordination._wait(DoneLater(), st, "`op`", "here.py:1", 1e10)  # CPU path: Work.wait(cap)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,3 +395,99 @@ def test_rank_in_an_unchecked_collective_is_named_by_the_waiting_rank(uneven, ki
     elsewhere = uneven[extra][f"{kind}/extra{extra}"]
     assert elsewhere.get("exc") != "DistributedTimeoutError", elsewhere
 
+
+@pytest.fixture(scope="module")
+def partial():
+    return dist_workers.run_scenario("partial_exchange", 2, timeout=240,
+                                     env={"NUMGUARD_DIST_TIMEOUT": "2"})
+
+
+@pytest.mark.parametrize("case", ["eval/0/1", "eval/0/3", "eval/1/2"])
+def test_evaluation_with_gradients_on_one_rank_neither_crashes_nor_loses_the_trip(partial, case):
+    for r in partial:
+        out = r[case]
+        assert "ok" in out, out
+        steps_done, raised = out["ok"]
+        assert steps_done == [0, 1] and raised == [2, [1]], (r["log"][-2000:], out)
+
+
+def test_missing_rank_is_warned_about_once_by_name(partial):
+    first = partial[0]["eval/0/1"]["warnings"]
+    assert len(first) == 1, first
+    assert "ranks [1] did not come to numguard's trip exchange" in first[0]
+    assert "this process is rank 0" in first[0] and "dist_workers.py:" in first[0]
+    for r in partial:
+        every = [w for case, out in r.items() if isinstance(out, dict) and "warnings" in out
+                 for w in out["warnings"] if "did not come" in w]
+        assert len(every) <= 1, every
+
+
+@pytest.mark.parametrize("who", [0, 1])
+def test_watch_on_one_rank_only_trains_to_the_end(partial, who):
+    for r in partial:
+        out = r[f"watch_one/{who}/0"]
+        assert out.get("ok") == [[0, 1, 2], None], out
+    assert all(r["returncode"] == 0 for r in partial)
+
+
+@pytest.fixture(scope="module")
+def details():
+    return dist_workers.run_scenario("exchange_details", 2, timeout=180)
+
+
+def test_different_batches_in_the_exchange_are_named(details):
+    for rank, r in enumerate(details):
+        pairs = r["batches"]
+        for k, out in enumerate(pairs):
+            assert out["ok"] == [0, 0]
+            assert out["last"]["complete"] and out["last"]["batches"] == [k, 2 * k + 1]
+        w = pairs[0]["warnings"]
+        assert len(w) == 1 and all(p["warnings"] == [] for p in pairs[1:])  # once
+        mine, theirs = (0, 1) if rank == 0 else (1, 0)
+        assert f"paired batch {mine} on this rank (rank {rank})" in w[0]
+        assert f"with batch {theirs} on rank {1 - rank}" in w[0]
+        assert "check_every" in w[0]
+
+
+def test_same_batch_exchange_and_details_carry_batch_numbers(details):
+    for r in details:
+        out = r["same_batch"]
+        assert out["ok"] == [1, 0] and out["warnings"] == []
+        assert out["last"]["batches"] == [7, 7]
+        assert r["details"] == [[0, "mlp", 7]]
+
+
+@pytest.mark.parametrize("how", ["arg", "env", "trigger env"])
+@pytest.mark.parametrize("value", ["1e+07", "1e+09", "1e+10", "1e+12", "1e+300"])
+def test_huge_timeouts_leave_healthy_checks_healthy(details, how, value):
+    for r in details:
+        out = r["huge"][f"{how} {value}"]
+        assert "ok" in out, out
+
+
+def test_guard_with_a_huge_timeout(details):
+    for r in details:
+        assert r["huge"]["guard 1e10"] == {"ok": [2.0, 2.0]}
+
+
+def test_equal_dicts_in_different_orders_pass_and_real_differences_do_not(details):
+    for r in details:
+        assert r["dict_order"] == {"ok": None}
+        out = r["dict_value_differs"]
+        assert out["exc"] == "DistributedOperationException"
+        assert "shape of input['a'] is [6] instead of [5]" in out["msg"]
+    assert details[0]["dict_value_differs"]["msg"] == details[1]["dict_value_differs"]["msg"]
+
+
+def test_threads_sharing_a_group_never_corrupt_checks(details):
+    for r in details:
+        out = r["threads"]
+        outcomes = out["ok"]
+        for name in ("A", "B"):
+            assert len(outcomes[name]) == 20
+            # Ranks may pair the threads' checks differently (a mismatch, named as such), but
+            # no check times out, reads a foreign record, or breaks the store.
+            assert set(outcomes[name]) <= {"ok", "DistributedOperationException"}, outcomes
+        assert len(out["warnings"]) <= 1
+        assert all("one after the other" in w for w in out["warnings"])
+        assert r["after_threads"] == {"ok": None}

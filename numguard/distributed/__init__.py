@@ -16,15 +16,18 @@ numguard check; a rank that does not arrive in time is named in a
 Each numguard check is one small fixed-size tensor operation on numguard's own gloo process group
 over the same ranks (created by the first numguard collective of a group, which every rank of
 the group reaches; see NOTE: [own process group] in coordination.py), so a check never pairs with
-a user collective another rank is in. Every numguard collective must be called by every rank
-of the group in the same order, like any collective. numguard releases its state of a group
-when the group is destroyed (``destroy_process_group``) and at interpreter exit.
+a user collective another rank is in. Every numguard check must be called by every rank of the
+group in the same order, like any collective. The inspector's trip exchange
+(:func:`exchange_trip`) is the exception: the ranks first meet in the store, and a rank that does
+not come within a few seconds leaves the others with their own results and a one-time
+:class:`DistributedWarning`, never a crash or a hang. numguard releases its state of a group when
+the group is destroyed (``destroy_process_group``) and at interpreter exit.
 """
 from __future__ import annotations
 
 from . import coordination
 from ._env import dist_check_enabled
-from .coordination import exchange_trip, gather_trip_details, rank, world_size
+from .coordination import exchange_trip, gather_trip_details, last_exchange, rank, world_size
 from .errors import DistributedOperationException, DistributedTimeoutError, DistributedWarning
 from .guard import CollectiveGuard, guard_collectives, unguard_collectives
 from .logging import get_logger
@@ -43,6 +46,7 @@ __all__ = [
     "gather_trip_details",
     "get_logger",
     "guard_collectives",
+    "last_exchange",
     "rank",
     "set_trigger",
     "unguard_collectives",

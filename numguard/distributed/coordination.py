@@ -12,9 +12,10 @@ Every numguard collective goes through :func:`timed_all_reduce` or :func:`timed_
   the other ranks' keys and names those whose check number is behind, in a
   :class:`DistributedTimeoutError`.
 
-The coordinated-trip helpers used by the inspector live here too: :func:`exchange_trip` (one
-all_reduce of an int64[world_size] flag vector) and :func:`gather_trip_details` (one all_gather of
-a fixed-size encoded module name, only after a trip).
+The coordinated-trip helpers used by the inspector live here too: :func:`exchange_trip` and
+:func:`gather_trip_details`. Unlike the checks, they tolerate ranks that never come: the ranks
+first meet in the store (numguard.distributed.rendezvous) and run the collective only when every
+rank is there; otherwise the rank goes on with its own result and warns once.
 
 Per-group state is released when the group is destroyed (``destroy_process_group`` is wrapped)
 and at interpreter exit (see NOTE: [teardown]). Threads sharing a group's numguard collectives
@@ -39,6 +40,7 @@ from torch.distributed import distributed_c10d as _c10d
 
 from ._env import dist_timeout
 from .errors import DistributedOperationException, DistributedTimeoutError, DistributedWarning
+from .rendezvous import Rendezvous
 
 _NUMGUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -127,11 +129,12 @@ def _warn(message: str) -> None:
 # default group and advances torch's group counter (renaming the user's later groups), while
 # this touches nothing of torch's. Its devices connect lazily, so creating it needs no meeting:
 # every rank creates it with its first numguard collective on the group, and the connections
-# open in that collective, which every rank of the group reaches like any collective. It is
-# released with the user's
+# open in that collective, which every rank of the group reaches like any collective (the trip
+# exchange only after the store rendezvous has seen every rank). It is released with the user's
 # group (NOTE: [teardown]). Where it cannot be built (gloo missing, no usable interface),
 # numguard warns once and shares the user's group as before. On nccl jobs the checks thereby run
-# on CPU (their records are host bytes: no device copies).
+# on CPU (their records are host bytes: no device copies); the CUDA trip exchange keeps its
+# device all_reduce on the user's group, started only once the rendezvous has seen every rank.
 # A lazy connection waits for its peer with the group's creation timeout (an operation's own
 # timeout does not cover it, measured), so the group is created with the check timeout of
 # NUMGUARD_DIST_TIMEOUT (plus the backend margin): a process whose first check found a rank
@@ -160,9 +163,25 @@ def _new_own_group(rank_in_group: int, world: int, store, name: str, global_rank
                 opts)
 
 
+class LastExchange:
+    """What the last trip exchange of a group found (see :func:`last_exchange`)."""
+
+    __slots__ = ("complete", "slot", "missing", "batches")
+
+    def __init__(self, complete=True, slot=0, missing=(), batches=None):
+        self.complete = complete
+        self.slot = slot
+        self.missing = list(missing)
+        self.batches = batches
+
+    def as_dict(self) -> dict:
+        return {"complete": self.complete, "slot": self.slot, "missing": list(self.missing),
+                "batches": None if self.batches is None else list(self.batches)}
+
+
 class _GroupState:
     """Per process group: ranks, numguard's own group (``comm``) and its device, the check
-    counter, the store, preallocated buffers, the lock of :func:`exclusive`."""
+    counter, the store, preallocated buffers, the rendezvous, the lock of :func:`exclusive`."""
 
     def __init__(self, group):
         self.group = group
@@ -186,6 +205,11 @@ class _GroupState:
         self.holder: str | None = None
         self.warned: set = set()
         self.broken: str | None = None  # why numguard stopped using its group (a timeout)
+        self.last = LastExchange()
+        self.rendezvous = None
+        if self.store is not None:
+            self.rendezvous = Rendezvous(self.store, f"numguard/x/{self.name}/",
+                                         self.global_ranks, self.global_ranks[self.rank])
         self.own_group = None
         self.comm, self.device = self._open_comm()
         self.gather_single = getattr(_c10d, "all_gather_single", None)
@@ -216,7 +240,7 @@ class _GroupState:
     def close(self) -> None:
         """Shut numguard's own group down and drop every reference to the user's group."""
         own, self.own_group = self.own_group, None
-        self.comm = self.pg = self.group = self.store = None
+        self.comm = self.pg = self.group = self.store = self.rendezvous = None
         self.buffers.clear()
         if own is None:
             return
@@ -601,42 +625,167 @@ def wait_work(st: _GroupState, work, seq: int, what: str, site: str, timeout_s: 
 # ---------------------------------------------------------------------------------------------
 # Coordinated trips (called by the inspector at the end of a checked batch)
 
-def exchange_trip(tripped: torch.Tensor, group=None, blocking: bool | None = None) -> torch.Tensor:
-    """Share this rank's trip flag with every rank in ONE all_reduce.
+#: Seconds the trip exchange waits for every rank before going on with this rank's own result
+#: (at most the check timeout, ``NUMGUARD_DIST_TIMEOUT``).
+EXCHANGE_GRACE_S = 5.0
+_NO_BATCH = -(2 ** 63)  # "this rank passed no batch number": not compared
+
+
+def _exchange_grace(grace) -> float:
+    if grace is None:
+        return min(EXCHANGE_GRACE_S, dist_timeout())
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
+        raise ValueError(f"grace={grace!r} is not valid: pass a number of seconds >= 0.")
+    return float(grace)
+
+
+def _meet_everyone(st: _GroupState, what: str, site: str, grace_s: float) -> LastExchange:
+    """Meet the other ranks in the store (NOTE: [rendezvous slots]); ``.complete`` when every
+    rank came. Otherwise this rank has warned once and goes on with its own result."""
+    if st.broken is not None:
+        st.warn_once("broken", (
+            f"numguard.distributed: the {what} on process group {st.name!r} uses this rank's "
+            f"own result: numguard stopped using the group after: {st.broken}"))
+        return LastExchange(False, 0, [])
+    if st.rendezvous is None:  # no store: every rank is assumed to come, as with any collective
+        return LastExchange(True, 0, [])
+    try:
+        meeting = st.rendezvous.meet(grace_s)
+    except Exception as exc:  # the store failed: numguard's trouble, not the job's
+        st.warn_once("store", (
+            f"numguard.distributed: the {what} on process group {st.name!r} cannot use the "
+            f"process group's store ({type(exc).__name__}: {exc}); this rank reports only its "
+            "own NaN/Inf."))
+        return LastExchange(False, 0, [])
+    if not meeting.joined and meeting.waited_s > 0:
+        me = st.global_ranks[st.rank]
+        st.warn_once("missing", (
+            f"numguard.distributed: ranks {meeting.missing} did not come to numguard's {what} "
+            f"#{meeting.slot} of process group {st.name!r} within {meeting.waited_s:g} s (this "
+            f"process is rank {me}, called at {site}). This "
+            "rank goes on with its own result: it reports its own NaN/Inf, not theirs, until "
+            "they take part again (numguard then lines the ranks up by itself). Usual causes: "
+            "watch() on some ranks only, or batches run with gradients enabled on some ranks "
+            "only (evaluation on rank 0: run it under torch.no_grad()), or a rank much slower "
+            "than the others at this point."))
+    return LastExchange(meeting.joined, meeting.slot, meeting.missing)
+
+
+def _local_flags(st: _GroupState, src: torch.Tensor) -> torch.Tensor:
+    flags = torch.zeros(st.world, dtype=torch.int64, device=st.parent_device)
+    flags[st.rank].copy_(src, non_blocking=src.device.type != "cpu"
+                         and st.parent_device.type != "cpu")
+    return flags
+
+
+def _gather_pairs(st: _GroupState, first: int, second: int, what: str, site: str):
+    """All-gather two int64 per rank on numguard's group; [(first, second) per rank]."""
+    hin_b = st.gather_buffers(2)[0]
+    struct.pack_into("<2q", hin_b, 0, first, second)
+    out = timed_all_gather(st, 2, what, site)
+    return [struct.unpack_from("<2q", out, r * 16) for r in range(st.world)]
+
+
+def _check_batches(st: _GroupState, batches: list) -> None:
+    """Warn once when the ranks that passed a batch number passed different ones."""
+    mine = batches[st.rank]
+    others = [(r, b) for r, b in enumerate(batches) if b is not None and b != mine]
+    if mine is None or not others:
+        return
+    listed = ", ".join(f"batch {b} on rank {st.global_ranks[r]}" for r, b in others)
+    st.warn_once("batches", (
+        f"numguard.distributed: the trip exchange of process group {st.name!r} paired batch "
+        f"{mine} on this rank (rank {st.global_ranks[st.rank]}) with {listed}: the ranks check "
+        "different batches (different check_every / NUMGUARD_CHECK_EVERY, or batches that only "
+        "some ranks ran with gradients enabled, such as evaluation). A NaN/Inf on another rank "
+        "is reported with that rank's batch number (numguard.distributed.last_exchange())."))
+
+
+def exchange_trip(tripped: torch.Tensor, group=None, blocking: bool | None = None, *,
+                  batch_number: int | None = None, grace: float | None = None) -> torch.Tensor:
+    """Share this rank's trip flag with every rank of the group.
 
     Args:
-        tripped: 0-dim integer tensor (nonzero = this rank tripped) on any device; copied to the
-            group's collective device (no host sync when it is already there).
+        tripped: 0-dim integer tensor (nonzero = this rank tripped) on any device.
         group: process group (default group when None).
-        blocking: wait for the result, with the ``NUMGUARD_DIST_TIMEOUT`` check that names
-            missing ranks. Default: True when the collective device is the CPU (gloo); False on
-            CUDA (nccl), where the all_reduce is only enqueued on the current stream so the
-            caller's own device->host read (or event) is the only sync, and a rank that never
-            arrives is caught by the NCCL watchdog.
+        blocking: wait for the result. Default: True when the user's group runs on the CPU
+            (gloo); False on CUDA (nccl), where the flags' all_reduce is only enqueued on the
+            current stream so the caller's own device->host read (or event) is the only sync.
+        batch_number: the batch this check covers. Ranks that pass one compare them: a pairing
+            of different batches (ranks with different ``check_every``) is warned about once,
+            naming both numbers, and recorded in :func:`last_exchange`.
+        grace: seconds to wait for the other ranks (default: 5, at most
+            ``NUMGUARD_DIST_TIMEOUT``).
 
-    Returns int64[world_size] on the collective device: entry ``r`` is rank ``r``'s flag.
-    Without an initialized process group, returns ``tripped`` as a 1-element int64 tensor.
+    Returns int64[world_size] on the user's group's collective device: entry ``r`` is rank
+    ``r``'s flag. Never raises for a rank that does not come: the ranks first meet in the store
+    (NOTE: [rendezvous slots]); when some rank is not there within the grace, this rank warns
+    once, naming it, and returns only its own flag (the others' entries 0), and
+    :func:`gather_trip_details` stays local too. Without an initialized process group, returns
+    ``tripped`` as a 1-element int64 tensor.
     """
     if not is_initialized():
         return tripped.reshape(1).to(torch.int64)
     st = group_state(group)
-    flags = torch.zeros(st.world, dtype=torch.int64, device=st.device)
     src = tripped.reshape(())
     if src.dtype != torch.int64:
         src = src.to(torch.int64)
-    flags[st.rank].copy_(src, non_blocking=src.device.type != "cpu" and st.device.type != "cpu")
-    if blocking is None:
-        blocking = st.device.type == "cpu"
-    what = "numguard trip exchange (all_reduce)"
-    if blocking or st.device.type == "cpu":  # host flags (numguard's own group): wait for them
-        timed_all_reduce(st, flags, dist.ReduceOp.SUM, what, call_site())
-    else:
-        with exclusive(st, what):
-            _mark_arrival(st)
+    flags = _local_flags(st, src)
+    if st.world == 1:
+        st.last = LastExchange(True, 0, [], None if batch_number is None else [batch_number])
+        return flags
+    grace_s = _exchange_grace(grace)
+    site = call_site()
+    what = "trip exchange"
+    batch = _NO_BATCH if batch_number is None else int(batch_number)
+    on_cpu = st.parent_device.type == "cpu"
+    with exclusive(st, f"the {what}"):
+        st.last = _meet_everyone(st, what, site, grace_s)
+        if not st.last.complete:
+            return flags
+        try:
+            # Every rank is here: this collective cannot be left pending.
+            if on_cpu or batch != _NO_BATCH:
+                pairs = _gather_pairs(st, int(src.item()) if on_cpu else 0, batch,
+                                      "numguard trip exchange (all_gather)", site)
+                st.last.batches = [None if b == _NO_BATCH else b for _, b in pairs]
+                _check_batches(st, st.last.batches)
+                if on_cpu:
+                    return torch.tensor([f for f, _ in pairs], dtype=torch.int64)
+            # CUDA: the flags stay on the device; the all_reduce on the user's group is safe here
+            # because every rank has come (NOTE: [own process group]).
             work = _c10d.all_reduce(flags, op=dist.ReduceOp.SUM, group=st.group, async_op=True)
-        if work is not None:
-            work.wait()  # stream-ordered on CUDA: no host sync
-    return flags
+            if work is not None:
+                work.wait()  # stream-ordered on CUDA: no host sync
+            if blocking and flags.is_cuda:
+                torch.cuda.current_stream(flags.device).synchronize()
+            return flags
+        except DistributedOperationException as exc:
+            st.warn_once("exchange failed", (
+                f"numguard.distributed: the {what} of process group {st.name!r} failed after "
+                f"every rank came ({exc}); this rank reports only its own NaN/Inf from now on."))
+            st.last = LastExchange(False, st.last.slot, [])
+            return _local_flags(st, src)
+
+
+def last_exchange(group=None) -> dict:
+    """What the last :func:`exchange_trip` of ``group`` found: ``complete`` (every rank took
+    part; False: the result was this rank's own), ``slot`` (the rendezvous slot), ``missing``
+    (global ranks that did not come) and ``batches`` (each rank's batch number, when they were
+    exchanged; None otherwise)."""
+    if not is_initialized():
+        return LastExchange().as_dict()
+    return group_state(group).last.as_dict()
+
+
+class TripDetail(tuple):
+    """``(rank, module name or None)`` of a rank that tripped, as a 2-tuple; ``.batch`` is the
+    batch number that rank reported (None when unknown)."""
+
+    def __new__(cls, rank_: int, module: str | None, batch: int | None = None):
+        self = super().__new__(cls, (rank_, module))
+        self.batch = batch
+        return self
 
 
 _DETAIL_WORDS = 64  # 3 header words + 61 * 8 bytes of module name
@@ -654,20 +803,32 @@ def _encode_name(name: str, capacity: int) -> bytes:
 
 
 def gather_trip_details(module_name: str | None, batch_number: int, group=None,
-                        tripped: bool | None = None) -> list[tuple[int, str | None]]:
+                        tripped: bool | None = None) -> list[TripDetail]:
     """After :func:`exchange_trip` showed a trip, share which module tripped on which rank.
 
-    Called on every rank (one all_gather of a fixed-size int64 record). ``module_name`` is this
-    rank's first offending module (None when this rank did not trip); ``tripped`` defaults to
-    ``module_name is not None``. Returns ``[(rank, module_name_or_None), ...]`` for the ranks that
-    tripped, in rank order. Names longer than 485 bytes are truncated and end with ``...``.
+    Called on every rank (one all_gather of a fixed-size int64 record, after a store
+    rendezvous). ``module_name`` is this rank's first offending module (None when this rank did
+    not trip); ``tripped`` defaults to ``module_name is not None``. Returns
+    ``[(rank, module_name_or_None), ...]`` (:class:`TripDetail`, with ``.batch``) for the ranks
+    that tripped, in rank order. Names longer than 485 bytes are truncated and end with ``...``.
+    When the last exchange was local (a rank did not come) or a rank does not come now, returns
+    this rank's own entry only.
     """
     if tripped is None:
         tripped = module_name is not None
     if not is_initialized():
-        return [(0, module_name)] if tripped else []
+        return [TripDetail(0, module_name, batch_number)] if tripped else []
     st = group_state(group)
-    with exclusive(st, "the trip details exchange"):
+    local = [TripDetail(st.rank, module_name, batch_number)] if tripped else []
+    if st.world == 1:
+        return local
+    site = call_site()
+    what = "trip details exchange"
+    with exclusive(st, f"the {what}"):
+        if not st.last.complete:
+            return local
+        if not _meet_everyone(st, what, site, _exchange_grace(None)).complete:
+            return local
         hin_b, *_ = st.gather_buffers(_DETAIL_WORDS)
         payload = b"" if module_name is None else _encode_name(module_name,
                                                                (_DETAIL_WORDS - 3) * 8)
@@ -675,30 +836,39 @@ def gather_trip_details(module_name: str | None, batch_number: int, group=None,
         struct.pack_into("<qqq", hin_b, 0, _DETAIL_MAGIC, int(batch_number),
                          flags | (len(payload) << 8))
         hin_b[24:] = payload.ljust((_DETAIL_WORDS - 3) * 8, b"\0")
-        out = bytes(timed_all_gather(st, _DETAIL_WORDS, "numguard trip details (all_gather)",
-                                     call_site()))
+        try:
+            out = timed_all_gather(st, _DETAIL_WORDS, "numguard trip details (all_gather)",
+                                   site)
+        except DistributedOperationException as exc:
+            st.warn_once("details failed", (
+                f"numguard.distributed: the {what} of process group {st.name!r} failed after "
+                f"every rank came ({exc}); only this rank's own trip is reported."))
+            return local
     result = []
     for r in range(st.world):
         base = r * _DETAIL_WORDS * 8
-        magic, _batch, info = struct.unpack_from("<qqq", out, base)
+        magic, batch, info = struct.unpack_from("<qqq", out, base)
         if magic != _DETAIL_MAGIC or not info & 1:
             continue
         name = None
         if info & 2:
             n = info >> 8
             name = bytes(out[base + 24: base + 24 + n]).decode("utf-8", errors="replace")
-        result.append((r, name))
+        result.append(TripDetail(r, name, batch))
     return result
 
 
 __all__ = [
     "DistributedOperationException",
+    "EXCHANGE_GRACE_S",
     "MAX_TORCH_TIMEOUT_S",
+    "TripDetail",
     "call_site",
     "collective_device",
     "exchange_trip",
     "gather_trip_details",
     "is_initialized",
+    "last_exchange",
     "rank",
     "release",
     "world_size",

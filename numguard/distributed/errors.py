@@ -18,6 +18,6 @@ class DistributedTimeoutError(DistributedOperationException, TimeoutError):
 
 
 class DistributedWarning(RuntimeWarning):
-    """numguard.distributed goes on in a degraded way (threads sharing a group's checks, no
-    own process group, a group numguard stopped checking after a timeout); each kind is warned
+    """numguard.distributed goes on in a degraded way (a rank missing from the trip exchange,
+    ranks checking different batches, threads sharing a group's checks); each kind is warned
     about once per process group."""
