@@ -615,6 +615,7 @@ def scenario_exchange_details(rank, world):
     import threading
 
     import torch
+    import torch.distributed as dist
 
     import numguard.distributed as ngd
     from numguard.distributed import coordination as co
@@ -646,8 +647,6 @@ def scenario_exchange_details(rank, world):
             del os.environ["NUMGUARD_DIST_TIMEOUT"]
     guard = ngd.guard_collectives(timeout=1e10)
     try:
-        import torch.distributed as dist
-
         t = torch.ones(2)
         huge["guard 1e10"] = _catch(lambda: dist.all_reduce(t) or t.tolist())
     finally:
@@ -663,13 +662,16 @@ def scenario_exchange_details(rank, world):
     d2 = dict(d)
     d2["a"] = torch.zeros(5 + rank)
     res["dict_value_differs"] = _catch(lambda: ngd.check_shapes(d2, op="dicts"))
-    # Threads sharing the default group's checks.
+    # Threads sharing a group's checks, from the group's first numguard call on.
+    fresh = dist.new_group([0, 1])
     outcomes = {"A": [], "B": []}
+    start = threading.Barrier(2)
 
     def worker(name, n):
+        start.wait(30)
         for _ in range(20):
             try:
-                ngd.check_shapes(torch.zeros(n), op="thread", timeout=30)
+                ngd.check_shapes(torch.zeros(n), op="thread", group=fresh, timeout=30)
                 outcomes[name].append("ok")
             except Exception as exc:  # noqa: BLE001 - the test inspects it
                 outcomes[name].append(type(exc).__name__)
@@ -684,7 +686,8 @@ def scenario_exchange_details(rank, world):
         return {k: v for k, v in outcomes.items()}
 
     res["threads"] = _warnings_of(run_threads)
-    res["after_threads"] = _catch(lambda: ngd.check_shapes(torch.ones(2), op="after threads"))
+    res["after_threads"] = _catch(lambda: ngd.check_shapes(torch.ones(2), op="after threads",
+                                                           group=fresh))
     return res
 
 

@@ -301,6 +301,9 @@ class _GroupState:
 # destroy_process_group imported by name before numguard was.
 _STATES: dict = {}
 _RELEASE_HOOKS: list = []
+# Two threads making a group's first numguard call together would build two states (two own
+# groups under one store prefix, two locks): creation holds this lock.
+_states_lock = threading.Lock()
 _lifecycle_lock = threading.Lock()
 _lifecycle_installed = False
 
@@ -309,8 +312,11 @@ def group_state(group=None) -> _GroupState:
     key = group if group is not None else _c10d._world.default_pg
     st = _STATES.get(key)
     if st is None:
-        _install_lifecycle()
-        st = _STATES[key] = _GroupState(group)
+        with _states_lock:
+            st = _STATES.get(key)
+            if st is None:
+                _install_lifecycle()
+                st = _STATES[key] = _GroupState(group)
     return st
 
 

@@ -43,7 +43,7 @@ def _state(group) -> _TriggerState:
     key = group if group is not None else "default"
     st = _STATES.get(key)
     if st is None:
-        st = _STATES[key] = _TriggerState()
+        st = _STATES.setdefault(key, _TriggerState())  # one state even when threads race here
     return st
 
 
