@@ -30,12 +30,15 @@ class ScenarioFailed(AssertionError):
     pass
 
 
-def run_scenario(name: str, world: int, timeout: float = 90.0, env: dict | None = None,
-                 rank_env: dict | None = None) -> list[dict]:
-    """Run ``scenario_<name>`` on ``world`` ranks; kill everything after ``timeout`` seconds."""
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = []
+class Launch:
+    """One scenario's ranks, started by :func:`start_scenario`; :meth:`finish` waits for them."""
+
+    def __init__(self, name: str, world: int, timeout: float, env: dict | None,
+                 rank_env: dict | None):
+        self.name, self.world, self.timeout = name, world, timeout
+        self.tmp = tempfile.TemporaryDirectory()
+        port = free_port()
+        self.procs = []
         for r in range(world):
             e = dict(os.environ)
             e.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
@@ -43,43 +46,67 @@ def run_scenario(name: str, world: int, timeout: float = 90.0, env: dict | None 
                       "PYTHONPATH": ROOT + os.pathsep + e.get("PYTHONPATH", "")})
             e.update(env or {})
             e.update((rank_env or {}).get(r, {}))
-            log = open(os.path.join(tmp, f"log{r}.txt"), "w")
-            procs.append((subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), name, os.path.join(tmp, f"r{r}.json")],
+            log = open(self._path(f"log{r}.txt"), "w")
+            self.procs.append((subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), name, self._path(f"r{r}.json")],
                 env=e, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log))
-        start = time.monotonic()
-        deadline = start + timeout
+        self.start = time.monotonic()
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.tmp.name, name)
+
+    def finish(self, allow_failure: bool = False) -> list[dict]:
+        """Per-rank result dicts, each with ``log``, ``ended_s`` and ``returncode``. Raises
+        ScenarioFailed on a timeout, and (unless ``allow_failure``) when a rank failed or left no
+        result; with ``allow_failure`` a rank without a result gets ``{}``."""
+        deadline = self.start + self.timeout
         timed_out = False
-        ended = [None] * world
+        ended = [None] * self.world
         while None in ended:
-            for r, (p, _) in enumerate(procs):
+            for r, (p, _) in enumerate(self.procs):
                 if ended[r] is None and p.poll() is not None:
-                    ended[r] = time.monotonic() - start
+                    ended[r] = time.monotonic() - self.start
             if time.monotonic() > deadline:
                 timed_out = True
                 break
             time.sleep(0.02)
         if timed_out:
-            for p, _ in procs:
+            for p, _ in self.procs:
                 if p.poll() is None:
                     p.kill()
-            for p, _ in procs:
+            for p, _ in self.procs:
                 p.wait()
-        for _, log in procs:
+        for _, log in self.procs:
             log.close()
-        logs = [open(os.path.join(tmp, f"log{r}.txt")).read() for r in range(world)]
+        logs = [open(self._path(f"log{r}.txt")).read() for r in range(self.world)]
         results = []
-        for r in range(world):
-            path = os.path.join(tmp, f"r{r}.json")
+        for r in range(self.world):
+            path = self._path(f"r{r}.json")
             results.append(json.load(open(path)) if os.path.exists(path) else None)
-        if timed_out or any(res is None or "error" in res for res in results):
-            detail = "\n".join(f"--- rank {r} ---\n{logs[r][-4000:]}" for r in range(world))
-            why = f"timed out after {timeout} s" if timed_out else "a rank failed"
-            raise ScenarioFailed(f"scenario {name!r} on {world} ranks: {why}\n{detail}")
+        self.tmp.cleanup()
+        failed = any(res is None or "error" in res for res in results)
+        if timed_out or (failed and not allow_failure):
+            detail = "\n".join(f"--- rank {r} ---\n{logs[r][-4000:]}" for r in range(self.world))
+            why = f"timed out after {self.timeout} s" if timed_out else "a rank failed"
+            raise ScenarioFailed(f"scenario {self.name!r} on {self.world} ranks: {why}\n{detail}")
+        results = [res if res is not None else {} for res in results]
         for r, res in enumerate(results):
             res["log"] = logs[r]
             res["ended_s"] = ended[r]
+            res["returncode"] = self.procs[r][0].returncode
         return results
+
+
+def start_scenario(name: str, world: int, timeout: float = 90.0, env: dict | None = None,
+                   rank_env: dict | None = None) -> Launch:
+    """Start ``scenario_<name>`` on ``world`` ranks (see :class:`Launch`)."""
+    return Launch(name, world, timeout, env, rank_env)
+
+
+def run_scenario(name: str, world: int, timeout: float = 90.0, env: dict | None = None,
+                 rank_env: dict | None = None) -> list[dict]:
+    """Run ``scenario_<name>`` on ``world`` ranks; kill everything after ``timeout`` seconds."""
+    return start_scenario(name, world, timeout, env, rank_env).finish()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,6 +428,266 @@ def scenario_eval_on_rank0(rank, world):
             res["train_steps_done"].append(step)
     finally:
         insp.close()
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Robustness scenarios (tests/test_distributed_robustness.py)
+
+EXIT_VARIANTS = ("dist", "c10d", "imported_early", "subgroup_first", "no_destroy")
+
+
+def scenario_exit_after_destroy(rank, world):
+    """Use everything numguard keeps per group (its own group, a subgroup's state, a pending
+    non-blocking trigger check, a trip exchange), then destroy the process group the way
+    NG_EXIT_VARIANT says and leave through normal interpreter shutdown: the exit status must
+    be 0."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import destroy_process_group as destroy_imported_early
+    from torch.distributed import distributed_c10d
+
+    variant = os.environ["NG_EXIT_VARIANT"]
+    import numguard.distributed as ngd
+
+    if os.environ.get("NUMGUARD_DIST_CHECK") != "1":
+        ngd.guard_collectives(timeout=30)
+    t = torch.ones(3)
+    for _ in range(3):
+        dist.all_reduce(t)
+    sub = dist.new_group([0, 1])
+    dist.all_reduce(t, group=sub)
+    ngd.check_shapes({"x": t, "y": [t, None]}, op="exit-test")
+    ngd.check_trigger()
+    ngd.check_trigger(blocking=False)  # left pending on purpose
+    flags = ngd.exchange_trip(torch.tensor(0)).tolist()
+    dist.barrier()
+    if variant == "dist":
+        dist.destroy_process_group()
+    elif variant == "c10d":
+        distributed_c10d.destroy_process_group()
+    elif variant == "imported_early":
+        destroy_imported_early()
+    elif variant == "subgroup_first":
+        dist.destroy_process_group(sub)
+        dist.destroy_process_group()
+    return {"variant": variant, "flags": flags, "sum": t.tolist(), "exit_normally": True}
+
+
+def _timed(fn):
+    t0 = time.monotonic()
+    res = _catch(fn)
+    res["elapsed"] = time.monotonic() - t0
+    return res
+
+
+def scenario_uneven(rank, world):
+    """NUMGUARD_DIST_CHECK=1: one rank (``extra``) runs one collective more than the other, which
+    is already in a barrier. Each case runs on a fresh subgroup with a short timeout of its own,
+    so a rank stuck in an unchecked collective gives up and the next case can start."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    import numguard.distributed as ngd
+
+    res = {"guard_installed": ngd.guard.installed_guard() is not None}
+    kinds = ("all_reduce", "broadcast", "all_gather_into_tensor", "broadcast_object_list",
+             "ddp_step", "unchecked_all_reduce")
+    for kind in kinds:
+        for extra in (0, 1):
+            group = dist.new_group([0, 1], timeout=timedelta(seconds=5))
+            t = torch.ones(4)
+            dist.all_reduce(t, group=group)  # both ranks: in step before the uneven part
+            if kind == "ddp_step":  # every rank builds the model and trains one step
+                model = torch.nn.parallel.DistributedDataParallel(
+                    torch.nn.Linear(4, 2), process_group=group)
+                model(torch.randn(3, 4)).sum().backward()
+
+            def uneven():
+                if rank != extra:
+                    dist.barrier(group=group)
+                    return "barrier passed"
+                if kind == "all_reduce":
+                    dist.all_reduce(t, group=group)
+                elif kind == "broadcast":
+                    dist.broadcast(t, src=0, group=group)
+                elif kind == "all_gather_into_tensor":
+                    dist.all_gather_into_tensor(torch.zeros(8), t, group=group)
+                elif kind == "broadcast_object_list":
+                    dist.broadcast_object_list([{"step": 1}], src=0, group=group)
+                elif kind == "ddp_step":  # one step more than the other rank
+                    model(torch.randn(3, 4)).sum().backward()
+                elif kind == "unchecked_all_reduce":
+                    distributed_c10d.all_reduce(t, group=group)  # not through torch.distributed
+                return "extra passed"
+
+            r = _timed(uneven)
+            r["extra"] = extra
+            res[f"{kind}/extra{extra}"] = r
+            # Meet before the next case, unchecked: a rank stuck in the case's subgroup comes
+            # only when the subgroup's own timeout has passed.
+            distributed_c10d.barrier()
+    return res
+
+
+def _watched_model(seed=0):
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def _train(model, rank, steps, nan_rank=None, nan_step=None):
+    """Train ``steps`` steps; return (steps done, (step, ranks) of a NonFiniteError or None)."""
+    import torch
+
+    import numguard
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    done = []
+    for step in range(steps):
+        x = torch.randn(3, 4)
+        if rank == nan_rank and step == nan_step:
+            x[0, 0] = float("nan")
+        try:
+            model(x).sum().backward()
+        except numguard.NonFiniteError as exc:
+            return done, [step, list(exc.ranks)]
+        opt.step()
+        opt.zero_grad()
+        done.append(step)
+    return done, None
+
+
+def _warnings_of(fn):
+    import warnings
+
+    from numguard.distributed import DistributedWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _catch(fn)
+    out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, DistributedWarning)]
+    return out
+
+
+def scenario_partial_exchange(rank, world):
+    """The trip exchange reached by some ranks only: a grad-enabled evaluation on one rank, and
+    watch() on one rank. DDP training follows each case. No rank may crash or hang; a NaN
+    planted on rank 1 after the evaluation must still make every rank raise in the same step."""
+    import torch
+    import torch.distributed as dist
+
+    import numguard
+
+    res = {}
+    cases = [("eval", 0, 1), ("eval", 0, 3), ("eval", 1, 2), ("watch_one", 0, 0),
+             ("watch_one", 1, 0)]
+    for kind, who, batches in cases:
+        net = _watched_model()
+        model = torch.nn.parallel.DistributedDataParallel(net)
+        watching = kind != "watch_one" or rank == who
+        insp = numguard.watch(net, report_to=None) if watching else None
+
+        def case():
+            if kind == "eval" and rank == who:
+                for _ in range(batches):
+                    model(torch.randn(3, 4))  # gradients enabled, no backward: not a train step
+            if kind == "eval":
+                return _train(model, rank, 4, nan_rank=1, nan_step=2)
+            return _train(model, rank, 3)
+
+        try:
+            res[f"{kind}/{who}/{batches}"] = _warnings_of(case)
+        finally:
+            if insp is not None:
+                insp.close()
+        dist.barrier()
+    return res
+
+
+def scenario_exchange_details(rank, world):
+    """Batch numbers in the trip exchange, the call site named by its warnings, huge timeouts,
+    dicts built in different orders, threads sharing a group's checks."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    import numguard.distributed as ngd
+    from numguard.distributed import coordination as co
+
+    res = {}
+    # Ranks checking different batches (check_every 1 on rank 0, 2 on rank 1).
+    pairs = []
+    for k in range(3):
+        mine = k if rank == 0 else 2 * k + 1
+        out = _warnings_of(lambda: ngd.exchange_trip(torch.tensor(0), batch_number=mine).tolist())
+        out["last"] = co.last_exchange()
+        pairs.append(out)
+    res["batches"] = pairs
+    same = _warnings_of(lambda: ngd.exchange_trip(torch.tensor(1 - rank), batch_number=7).tolist())
+    same["last"] = co.last_exchange()
+    res["same_batch"] = same
+    res["details"] = [list(d) + [d.batch] for d in ngd.gather_trip_details(
+        "mlp" if rank == 0 else None, 7)]
+    # Huge timeouts, from the argument and from the variable.
+    huge = {}
+    for value in (1e7, 1e9, 1e10, 1e12, 1e300):
+        huge[f"arg {value:g}"] = _catch(lambda: ngd.check_shapes(torch.zeros(3), op="huge",
+                                                                 timeout=value))
+        os.environ["NUMGUARD_DIST_TIMEOUT"] = repr(value)
+        try:
+            huge[f"env {value:g}"] = _catch(lambda: ngd.check_shapes(torch.zeros(3), op="huge"))
+            huge[f"trigger env {value:g}"] = _catch(lambda: ngd.check_trigger())
+        finally:
+            del os.environ["NUMGUARD_DIST_TIMEOUT"]
+    guard = ngd.guard_collectives(timeout=1e10)
+    try:
+        t = torch.ones(2)
+        huge["guard 1e10"] = _catch(lambda: dist.all_reduce(t) or t.tolist())
+    finally:
+        guard.remove()
+    res["huge"] = huge
+    # Equal dicts built in different orders, nested, with keys of several types.
+    keys = ["b", "a", 3, ("t", 1), "c"]
+    order = keys if rank == 0 else list(reversed(keys))
+    d = {k: torch.zeros(len(str(k))) for k in order}
+    d["nested"] = {k: [torch.ones(2), None] for k in (keys[:3] if rank else keys[2::-1])}
+    res["dict_order"] = _catch(lambda: ngd.check_shapes(d, op="dicts"))
+    # Different values under the same keys are still caught, whatever the order.
+    d2 = dict(d)
+    d2["a"] = torch.zeros(5 + rank)
+    res["dict_value_differs"] = _catch(lambda: ngd.check_shapes(d2, op="dicts"))
+    # Threads sharing a group's checks, from the group's first numguard call on.
+    fresh = dist.new_group([0, 1])
+    outcomes = {"A": [], "B": []}
+    start = threading.Barrier(2)
+
+    def worker(name, n):
+        start.wait(30)
+        for _ in range(20):
+            try:
+                ngd.check_shapes(torch.zeros(n), op="thread", group=fresh, timeout=30)
+                outcomes[name].append("ok")
+            except Exception as exc:  # noqa: BLE001 - the test inspects it
+                outcomes[name].append(type(exc).__name__)
+
+    def run_threads():
+        threads = [threading.Thread(target=worker, args=("A", 3), name="A"),
+                   threading.Thread(target=worker, args=("B", 4), name="B")]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        return {k: v for k, v in outcomes.items()}
+
+    res["threads"] = _warnings_of(run_threads)
+    res["after_threads"] = _catch(lambda: ngd.check_shapes(torch.ones(2), op="after threads",
+                                                           group=fresh))
     return res
 
 

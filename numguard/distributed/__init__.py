@@ -10,23 +10,25 @@
 ``NUMGUARD_DIST_CHECK=1`` installs :func:`guard_collectives` when this package is imported
 (``guard_collectives()`` called explicitly always installs; with ``NUMGUARD=1`` numguard's
 start-up hook imports this package). ``NUMGUARD_DIST_TIMEOUT`` (seconds, default 60) bounds every
-numguard collective; a rank that does not arrive in time is named in a
-:class:`DistributedTimeoutError` on the ranks that did. On CPU (gloo) the abandoned operation
-itself expires a second later, so the exception can end the process (see NOTE: [backend
-timeout] in coordination.py); the process group must not be used after that.
+numguard check; a rank that does not arrive in time is named in a
+:class:`DistributedTimeoutError` on the ranks that did, and numguard stops checking that group.
 
-Each numguard collective is one small fixed-size tensor operation on the group's collective
-device (CPU for gloo, the current CUDA device for nccl), through
-``torch.distributed.distributed_c10d`` and the process group directly, never through the guarded
-``torch.distributed`` names. Every numguard collective must be called by every rank of the group
-in the same order, like any collective.
+Each numguard check is one small fixed-size tensor operation on numguard's own gloo process group
+over the same ranks (created by the first numguard collective of a group, which every rank of
+the group reaches; see NOTE: [own process group] in coordination.py), so a check never pairs with
+a user collective another rank is in. Every numguard check must be called by every rank of the
+group in the same order, like any collective. The inspector's trip exchange
+(:func:`exchange_trip`) is the exception: the ranks first meet in the store, and a rank that does
+not come within a few seconds leaves the others with their own results and a one-time
+:class:`DistributedWarning`, never a crash or a hang. numguard releases its state of a group when
+the group is destroyed (``destroy_process_group``) and at interpreter exit.
 """
 from __future__ import annotations
 
 from . import coordination
 from ._env import dist_check_enabled
-from .coordination import exchange_trip, gather_trip_details, rank, world_size
-from .errors import DistributedOperationException, DistributedTimeoutError
+from .coordination import exchange_trip, gather_trip_details, last_exchange, rank, world_size
+from .errors import DistributedOperationException, DistributedTimeoutError, DistributedWarning
 from .guard import CollectiveGuard, guard_collectives, unguard_collectives
 from .logging import get_logger
 from .shapes import check_shapes
@@ -36,6 +38,7 @@ __all__ = [
     "CollectiveGuard",
     "DistributedOperationException",
     "DistributedTimeoutError",
+    "DistributedWarning",
     "check_shapes",
     "check_trigger",
     "coordination",
@@ -43,6 +46,7 @@ __all__ = [
     "gather_trip_details",
     "get_logger",
     "guard_collectives",
+    "last_exchange",
     "rank",
     "set_trigger",
     "unguard_collectives",

@@ -1,4 +1,4 @@
-"""Exceptions raised by numguard.distributed."""
+"""Exceptions and warnings raised by numguard.distributed."""
 from __future__ import annotations
 
 
@@ -15,3 +15,9 @@ class DistributedTimeoutError(DistributedOperationException, TimeoutError):
     def __init__(self, message: str, missing_ranks=()):
         super().__init__(message)
         self.missing_ranks = list(missing_ranks)
+
+
+class DistributedWarning(RuntimeWarning):
+    """numguard.distributed goes on in a degraded way (a rank missing from the trip exchange,
+    ranks checking different batches, threads sharing a group's checks); each kind is warned
+    about once per process group."""

@@ -26,7 +26,16 @@ scatter                                     ``tensor`` (the receive buffer; ``sc
 all_to_all_single                           dtype and trailing dims; also the first dim when
                                             no split sizes are given (with split sizes the
                                             first dims legitimately differ)
+barrier, monitored_barrier                  only that every rank is at the same operation
+all_gather_object, broadcast_object_list    the length of the object list (and src); the
+                                            objects themselves are pickled, sizes may differ
+gather_object, scatter_object_list          dst / src
 ==========================================  ================================================
+
+Barriers and object collectives are checked so that a rank waiting in one meets the checks of
+ranks that are elsewhere: one rank running an extra guarded collective while the other waits in
+a barrier is a mismatch naming both operations, and a rank still in an unchecked collective
+(DDP's gradient all_reduce in one more step) is named by the waiting rank's timeout.
 """
 from __future__ import annotations
 
@@ -103,6 +112,17 @@ def _all_to_all_single(args, kwargs):
     return {"output": spec(out), "input": spec(inp)}
 
 
+def _nothing(args, kwargs):
+    return None
+
+
+def _object_list(index, name):
+    def details(args, kwargs, group):
+        objects = _arg(args, kwargs, index, name)
+        return f"{name} of {len(objects)}" if isinstance(objects, (list, tuple)) else ""
+    return details
+
+
 def _op_name(op) -> str:
     name = getattr(op, "name", None)
     return name if isinstance(name, str) else type(op).__name__
@@ -124,11 +144,13 @@ def _root_rank(args, kwargs, index, name, group):
     return f"{name}={0 if value is None else value}"
 
 
-def _root(index, name, op_index=None):
+def _root(index, name, op_index=None, list_details=None):
     def details(args, kwargs, group):
         text = _root_rank(args, kwargs, index, name, group)
         if op_index is not None:
             text += ", op=" + _op_name(_arg(args, kwargs, op_index, "op", dist.ReduceOp.SUM))
+        if list_details is not None:
+            text += ", " + list_details(args, kwargs, group)
         return text
     return details
 
@@ -146,6 +168,13 @@ _COLLECTIVES = {
     "reduce_scatter_single": (_in_out("output", "input"), 3, _reduce_op(2)),
     "reduce_scatter_tensor": (_in_out("output", "input"), 3, _reduce_op(2)),
     "all_to_all_single": (_all_to_all_single, 4, None),
+    "barrier": (_nothing, 0, None),
+    "monitored_barrier": (_nothing, 0, None),
+    "all_gather_object": (_nothing, 2, _object_list(0, "object_list")),
+    "gather_object": (_nothing, 3, _root(2, "dst")),
+    "broadcast_object_list": (_nothing, 2, _root(1, "src",
+                                                 list_details=_object_list(0, "object_list"))),
+    "scatter_object_list": (_nothing, 3, _root(2, "src")),
 }
 
 _lock = threading.Lock()

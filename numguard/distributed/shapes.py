@@ -3,7 +3,7 @@ shapes, dtypes, operation, other arguments, call site) in ONE fixed-size int64 r
 pickling.
 
 How ranks agree (NOTE: [agreement by all_reduce]): a healthy check is ONE all_reduce(MAX) of two
-int64 (the record's 62-bit hash and its negation) on the group's collective device; the ranks
+int64 (the record's 62-bit hash and its negation) on numguard's own process group; the ranks
 all-gather the full records (one [world, 256] int64 all_gather into a preallocated buffer) only
 when the hashes differ, to write the message. Measured on gloo (benchmarks/bench_distributed.py),
 the all_reduce of 16 bytes costs less than all-gathering 2 KiB per rank on every check
@@ -30,8 +30,9 @@ word    meaning
 ====== =========================================================================================
 
 Description tokens, depth first: a tensor is ``1, dtype code, ndim, dims...``; a list ``2, n``;
-a tuple ``3, n``; a dict ``4, n`` then, per item, a 63-bit hash of ``repr(key)`` and the value;
-None ``5``; any other leaf ``6, type code`` (scalar values are not compared).
+a tuple ``3, n``; a dict ``4, n`` then, per item in canonical order (NOTE: [dict order]), a
+63-bit hash of ``repr(key)`` and the value; None ``5``; any other leaf ``6, type code`` (scalar
+values are not compared).
 The record is built with ``struct`` in a preallocated buffer; only on a mismatch are the tokens
 decoded to write the message.
 """
@@ -104,6 +105,19 @@ class TensorSpec:
         self.dtype = dtype
 
 
+# NOTE: [dict order]
+# Dicts are described in canonical order, sorted by repr(key): dicts equal as dicts compare equal
+# whatever order their keys were inserted in (ranks often build them differently: a comprehension
+# over a set, keys added as they become ready). Insertion order still matters to code that pairs
+# values by position: torch's object collectives pickle a dict in insertion order (the receiver
+# gets the sender's order), and `for k, v in d.items(): dist.all_reduce(v)` pairs the k-th value
+# of each rank. Such a loop must iterate in a canonical order (`for k in sorted(d)`); with
+# guard_collectives() each of its all_reduces is checked on its own, which catches it when the
+# paired values differ in shape or dtype.
+def _dict_items(obj: dict):
+    return sorted(obj.items(), key=lambda item: repr(item[0]))
+
+
 def _describe(obj, tokens: list, dtype_at: list) -> int:
     """Append ``obj``'s tokens; return its number of leaves."""
     if isinstance(obj, (torch.Tensor, TensorSpec)):
@@ -125,7 +139,7 @@ def _describe(obj, tokens: list, dtype_at: list) -> int:
         tokens.append(_DICT)
         tokens.append(len(obj))
         n = 0
-        for key, item in obj.items():
+        for key, item in _dict_items(obj):
             tokens.append(_key_hash(key))
             n += _describe(item, tokens, dtype_at)
         return n
@@ -323,7 +337,10 @@ def mismatch_message(out: bytearray, world: int, obj, op: str, me: int | None = 
                          "numguard version, or a different collective at this point)")
             continue
         if rec.op_hash != rref.op_hash:
-            diffs.append(f"  - Process {r}: operation `{rec.op}` instead of `{rref.op}`")
+            # Another collective: its arguments and inputs differ as a matter of course.
+            diffs.append(f"  - Process {r}: operation `{rec.op}` instead of `{rref.op}` (the "
+                         "ranks are at different collectives)")
+            continue
         if rec.details_hash != rref.details_hash:
             diffs.append(f"  - Process {r}: arguments `{rec.details}` instead of `{rref.details}`")
         la, lb = parsed[ref][2], parsed[r][2]
@@ -387,11 +404,14 @@ def check_shapes(obj, op: str | None = None, group=None, timeout: float | None =
             shown when they differ.
 
     Runs one all_reduce of two int64 (the hash of this rank's record, see NOTE: [check record
-    layout]) on the group's collective device; only when the hashes differ, one all_gather of
-    the fixed-size records. On a mismatch every rank raises
-    :class:`DistributedOperationException` listing the same differences; a rank that does not
-    arrive in time makes the others raise :class:`DistributedTimeoutError` naming it. Does
-    nothing without an initialized process group, with one rank, or on a rank outside ``group``.
+    layout]) on numguard's own gloo group over the same ranks (NOTE: [own process group] in
+    coordination.py); only when the hashes differ, one all_gather of the fixed-size records. On a
+    mismatch every rank raises :class:`DistributedOperationException` listing the same
+    differences; a rank that does not arrive in time makes the others raise
+    :class:`DistributedTimeoutError` naming it, after which numguard stops checking the group
+    (warned once). Dicts compare by key, whatever their insertion order (NOTE: [dict order]).
+    Does nothing without an initialized process group, with one rank, or on a rank outside
+    ``group``.
     """
     if not _co.is_initialized():
         return
@@ -401,7 +421,17 @@ def check_shapes(obj, op: str | None = None, group=None, timeout: float | None =
     if st.world == 1:
         return
     op_name = op if op is not None else "numguard.distributed.check_shapes"
+    if st.broken is not None:
+        st.warn_once("broken", (
+            f"numguard.distributed: `{op_name}` and later collectives of process group "
+            f"{st.name!r} are not checked: numguard stopped using the group after: {st.broken}"))
+        return
     site = _co.call_site()
+    with _co.exclusive(st, f"the check of `{op_name}`"):
+        _check(st, obj, op_name, site, timeout, details)
+
+
+def _check(st, obj, op_name: str, site: str, timeout, details: str) -> None:
     if FAST_PATH == "all_reduce":
         full = description_hash(obj, op_name, details)
         # NOTE: [agreement by all_reduce] MAX of (h, -h) gives (max h, -min h): equal hashes on

@@ -28,11 +28,22 @@ class _TriggerState:
 _STATES: dict = {}
 
 
+def _forget(group) -> None:
+    """Drop pending checks of a released group (they hold numguard's own process group)."""
+    if group is None:
+        _STATES.clear()
+    else:
+        _STATES.pop(group, None)
+
+
+_co.on_release(_forget)
+
+
 def _state(group) -> _TriggerState:
     key = group if group is not None else "default"
     st = _STATES.get(key)
     if st is None:
-        st = _STATES[key] = _TriggerState()
+        st = _STATES.setdefault(key, _TriggerState())  # one state even when threads race here
     return st
 
 
@@ -49,7 +60,18 @@ def check_trigger(blocking: bool = True, group=None, timeout: float | None = Non
         seen, ts.flag = bool(ts.flag), 0
         return seen
     st = _co.group_state(group)
+    if st.broken is not None:
+        st.warn_once("broken trigger", (
+            f"numguard.distributed: check_trigger on process group {st.name!r} sees this "
+            f"rank's trigger only: numguard stopped using the group after: {st.broken}"))
+        seen, ts.flag, ts.pending = bool(ts.flag), 0, None
+        return seen
     site = _co.call_site()
+    with _co.exclusive(st, "check_trigger"):
+        return _check(st, ts, blocking, site, timeout)
+
+
+def _check(st, ts, blocking: bool, site: str, timeout) -> bool:
     if blocking:
         if ts.pending is not None:
             _finish(st, ts)  # drain a non-blocking check so the two forms stay paired
