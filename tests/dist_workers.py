@@ -636,7 +636,7 @@ def scenario_exchange_details(rank, world):
         "mlp" if rank == 0 else None, 7)]
     # Huge timeouts, from the argument and from the variable.
     huge = {}
-    for value in (1e7, 1e9, 1e10, 1e12, 1e300):
+    for value in (1e3, 86400, 1e7, 1e10, 1e300):
         huge[f"arg {value:g}"] = _catch(lambda: ngd.check_shapes(torch.zeros(3), op="huge",
                                                                  timeout=value))
         os.environ["NUMGUARD_DIST_TIMEOUT"] = repr(value)
@@ -645,10 +645,11 @@ def scenario_exchange_details(rank, world):
             huge[f"trigger env {value:g}"] = _catch(lambda: ngd.check_trigger())
         finally:
             del os.environ["NUMGUARD_DIST_TIMEOUT"]
-    guard = ngd.guard_collectives(timeout=1e10)
+    huge["guard 1e10"] = _catch(lambda: ngd.guard_collectives(timeout=1e10))
+    guard = ngd.guard_collectives(timeout=86400)
     try:
         t = torch.ones(2)
-        huge["guard 1e10"] = _catch(lambda: dist.all_reduce(t) or t.tolist())
+        huge["guard 86400"] = _catch(lambda: dist.all_reduce(t) or t.tolist())
     finally:
         guard.remove()
     res["huge"] = huge
@@ -688,6 +689,21 @@ def scenario_exchange_details(rank, world):
     res["threads"] = _warnings_of(run_threads)
     res["after_threads"] = _catch(lambda: ngd.check_shapes(torch.ones(2), op="after threads",
                                                            group=fresh))
+    # The inspector passes its batch numbers: check_every 1 on rank 0 and 2 on rank 1, a NaN on
+    # rank 1 in batch 1. Rank 0's batch 0 pairs rank 1's batch 1: both are named.
+    import numguard
+
+    net = _watched_model()
+    insp = numguard.watch(net, report_to=None, check_every=1 if rank == 0 else 2)
+
+    def two_batches():
+        for batch in range(2):
+            x = torch.randn(3, 4)
+            if rank == 1 and batch == 1:
+                x[0, 0] = float("nan")
+            net(x).sum()
+    res["check_every"] = _warnings_of(two_batches)
+    insp.close(check=False)
     return res
 
 

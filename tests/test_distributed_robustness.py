@@ -449,6 +449,15 @@ def test_different_batches_in_the_exchange_are_named(details):
         assert "check_every" in w[0]
 
 
+def test_inspector_checks_of_different_batches_name_both(details):
+    # (The once-only "paired batch" warning was given earlier in this launch: see the test above.)
+    for r in details:
+        assert r["check_every"].get("exc") == "NonFiniteError", r["check_every"]
+    # Rank 0's own values were finite: it names rank 1 and the batch rank 1 tripped in.
+    assert "rank 1 (" in details[0]["check_every"]["msg"] and "its batch 1" in details[0]["check_every"]["msg"]
+    assert "on rank 1 during batch_number=1" in details[1]["check_every"]["msg"]
+
+
 def test_same_batch_exchange_and_details_carry_batch_numbers(details):
     for r in details:
         out = r["same_batch"]
@@ -458,16 +467,23 @@ def test_same_batch_exchange_and_details_carry_batch_numbers(details):
 
 
 @pytest.mark.parametrize("how", ["arg", "env", "trigger env"])
-@pytest.mark.parametrize("value", ["1e+07", "1e+09", "1e+10", "1e+12", "1e+300"])
-def test_huge_timeouts_leave_healthy_checks_healthy(details, how, value):
+@pytest.mark.parametrize("value", ["1000", "86400", "1e+07", "1e+10", "1e+300"])
+def test_long_timeouts_work_and_longer_ones_are_refused_up_front(details, how, value):
+    """Up to a day (numguard.env.MAX_DIST_TIMEOUT_S) a healthy check stays healthy (the timeout
+    handed to torch is capped); past it the value is refused with the bound and its reason."""
     for r in details:
         out = r["huge"][f"{how} {value}"]
-        assert "ok" in out, out
+        if float(value) <= 86400:
+            assert "ok" in out, out
+        else:
+            assert out["exc"] in ("OptionError", "EnvironmentSettingError"), out
+            assert "86400" in out["msg"], out
 
 
-def test_guard_with_a_huge_timeout(details):
+def test_guard_with_a_day_long_timeout(details):
     for r in details:
-        assert r["huge"]["guard 1e10"] == {"ok": [2.0, 2.0]}
+        assert r["huge"]["guard 86400"] == {"ok": [2.0, 2.0]}
+        assert r["huge"]["guard 1e10"]["exc"] == "OptionError" and "86400" in r["huge"]["guard 1e10"]["msg"]
 
 
 def test_equal_dicts_in_different_orders_pass_and_real_differences_do_not(details):

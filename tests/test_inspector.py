@@ -309,7 +309,7 @@ def test_batch_end_failure_warns_but_a_distributed_failure_propagates(monkeypatc
 
     from numguard.inspector.checks import FlagReader
 
-    def broken_flag_source(reader):
+    def broken_flag_source(reader, batch):
         raise RuntimeError("flag read failed")
 
     # Faults injected where the flag is read (the state words, before any cross-rank exchange).
@@ -317,7 +317,7 @@ def test_batch_end_failure_warns_but_a_distributed_failure_propagates(monkeypatc
     with pytest.warns(InspectorWarning, match="flag read failed"):
         model(torch.randn(2, 8))
 
-    def missing_rank(reader):
+    def missing_rank(reader, batch):
         raise DistributedTimeoutError("rank 1 never arrived", missing_ranks=[1])
 
     # A rank that never reached the batch-end check: carrying on would hang the next collective.

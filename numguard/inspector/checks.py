@@ -97,7 +97,7 @@ class FlagReader:
             n, batch = self.pending
             self.pending = (max(0, n - cut), batch)
 
-    def _source(self):
+    def _source(self, batch):
         """The words to read: this rank's state, then every rank's trip flag when the check is
         shared across ranks."""
         # NOTE: [which checks are shared across ranks] Only checks of training batches (grad
@@ -109,14 +109,16 @@ class FlagReader:
         if distributed_on() and (torch.is_grad_enabled() or self.where != "batch end"):
             module = coordination(self.warned)
             if module is not None:
-                flags = module.exchange_trip(state[0])
+                # The batch number lets ranks that pair different batches (different check_every,
+                # an extra batch on one rank) be told so, naming both.
+                flags = module.exchange_trip(state[0], batch_number=batch)
                 return torch.cat([state, flags.to(state.device)]), True
         return state, False
 
     def read_now(self, where, batch) -> CheckStatus:
         """One device->host read of the state (and the cross-rank exchange)."""
         self.where = where
-        src, shared = self._source()
+        src, shared = self._source(batch)
         values = src.tolist()  # the one device->host read of a checked batch
         return CheckStatus(values[:8], values[8:] if shared else [], len(self.ring.frames), batch)
 
@@ -140,7 +142,7 @@ class FlagReader:
         return status
 
     def issue_async_copy(self, batch):
-        src, _ = self._source()
+        src, _ = self._source(batch)
         if self._host is None or self._host.numel() != src.numel():
             self._make_host_buffer(src.numel())
         self._host.copy_(src, non_blocking=True)

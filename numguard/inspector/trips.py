@@ -168,8 +168,8 @@ class Reporter:
                    f"[{', '.join(labels)}]; the report above shows the frames that led to it")
         else:
             tripping = [r for r, m in ranks] or [i for i, v in enumerate(status.others) if v]
-            names = ", ".join(f"rank {r} ({m if m else '(root module)'})" if m is not None else f"rank {r}"
-                              for r, m in ranks) or ", ".join(f"rank {r}" for r in tripping)
+            names = ", ".join(self._rank_text(detail, status.found_at) for detail in ranks) \
+                or ", ".join(f"rank {r}" for r in tripping)
             msg = (f"numguard: inf/nan detected on {names}; that rank printed the report "
                    "(this rank's values were finite)")
         if on_trip == "raise":
@@ -186,6 +186,16 @@ class Reporter:
                 msg += (f"; could not write the dump file ({type(exc).__name__}: {exc}): fix "
                         f"dump_dir={self.options.dump_dir!r}")
         warnings.warn(msg, NonFiniteWarning, stacklevel=5)
+
+    @staticmethod
+    def _rank_text(detail, own_batch):
+        """'rank 1 (proj)', with the other rank's batch when it differs from this rank's."""
+        rank, module = detail[0], detail[1]
+        if module is None:
+            return f"rank {rank}"
+        batch = getattr(detail, "batch", None)
+        batch_text = f", its batch {batch}" if batch is not None and batch != own_batch else ""
+        return f"rank {rank} ({module if module else '(root module)'}{batch_text})"
 
     def _framework_step(self):
         """(label, value) of the step counter, or None; a counter that cannot be read is skipped
