@@ -58,7 +58,11 @@ class _OneRank:
     rank, world = 0, 1
 
     def __init__(self):
+        import threading
+
         self.buf = bytearray(nglog._WORDS * 8)
+        self.lock = threading.RLock()  # what coordination.exclusive() takes
+        self.holder = None
 
     def gather_buffers(self, words):
         return (self.buf,)

@@ -68,11 +68,14 @@ class RankLoggerAdapter(_logging.LoggerAdapter):
             if args:
                 text = text % args
             payload = fit_message(text)
-        hin_b = st.gather_buffers(_WORDS)[0]
-        struct.pack_into("<qq", hin_b, 0, _MAGIC, (len(payload) << 1) | int(enabled))
-        hin_b[16: 16 + len(payload)] = payload
-        out = _co.timed_all_gather(st, _WORDS, "numguard in-order log (all_gather)",
-                                   _co.call_site())
+        # The shared buffer is filled and gathered under the group's lock: two threads logging
+        # at once must not mix their records.
+        with _co.exclusive(st, "an in-order log"):
+            hin_b = st.gather_buffers(_WORDS)[0]
+            struct.pack_into("<qq", hin_b, 0, _MAGIC, (len(payload) << 1) | int(enabled))
+            hin_b[16: 16 + len(payload)] = payload
+            out = bytes(_co.timed_all_gather(st, _WORDS, "numguard in-order log (all_gather)",
+                                             _co.call_site()))
         if st.rank != 0:
             return
         exc_info = kwargs.get("exc_info")
