@@ -26,6 +26,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_environ(base: dict, rank: int, world: int, port: int, **variables) -> dict:
+    """`base` plus what torchrun sets for `rank` of a one-node job of `world` ranks."""
+    return dict(base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                **variables)
+
+
+def run_rank_processes(argv: list, environs: list, cwd: str, timeout: float = 240) -> list:
+    """Start one process per rank (`environs[r]`), wait for all under `timeout`, kill any left;
+    returns [(exit status, stdout, stderr)] by rank."""
+    procs = [subprocess.Popen(argv, env=environ, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for environ in environs]
+    results = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            results.append((proc.returncode, stdout, stderr))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
 class ScenarioFailed(AssertionError):
     pass
 

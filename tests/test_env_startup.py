@@ -10,13 +10,13 @@ import json
 import os
 import shutil
 import site
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from numguard import _startup
+from dist_workers import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tests", "scripts", "unmodified_train.py")
@@ -229,36 +229,16 @@ def test_backward_variable_catches_a_backward_only_nan_before_the_step(job_env):
     assert "grad" in out.stdout
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # Healthy batches precede the bad one in both scenarios: every rank's checks pair up until then.
 @pytest.mark.parametrize("scenario", ["overflow", "backward-nan"])
 def test_two_ranks_unmodified_script(job_env, scenario):
-    port = str(_free_port())
+    from dist_workers import rank_environ, run_rank_processes
+
     extra = {"overflow": ["--overflow-at", "1"], "backward-nan": ["--nan-grad-at", "1"]}
     variables = {"NUMGUARD_BACKWARD": "1"} if scenario == "backward-nan" else {}
-    procs = []
-    for rank in range(2):
-        environ = job_env(NUMGUARD="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                          LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                          **variables)
-        args = [sys.executable, SCRIPT, "--steps", "3"] + extra[scenario]
-        procs.append(subprocess.Popen(args, env=environ, cwd=REPO, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    results = []
-    try:
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=240)
-            results.append((proc.returncode, stdout, stderr))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    port = free_port()
+    environs = [rank_environ(job_env(NUMGUARD="1", **variables), rank, 2, port) for rank in range(2)]
+    results = run_rank_processes([sys.executable, SCRIPT, "--steps", "3"] + extra[scenario], environs, REPO)
     for code, stdout, stderr in results:
         assert "step 0 loss" in stdout, stderr
         if scenario == "overflow":
@@ -376,7 +356,7 @@ print(len(_startup.auto_watcher().inspectors))
 def test_torchrun_two_ranks(job_env):
     # The launcher itself starts with NUMGUARD=1 too (it imports torch); it must not get in the way.
     args = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-            "--master_port", str(_free_port()), SCRIPT, "--steps", "3", "--overflow-at", "1"]
+            "--master_port", str(free_port()), SCRIPT, "--steps", "3", "--overflow-at", "1"]
     out = run(args, job_env(NUMGUARD="1"))
     assert out.returncode != 0
     text = out.stdout + out.stderr

@@ -9,7 +9,6 @@ so the checkout's editable install and its start-up hook stay out of it.
 import glob
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -101,34 +100,16 @@ def test_installed_wheel_imports_outside_the_source_tree(venv, tmp_path):
     assert backend == "native", out.stderr
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_installed_start_up_hook_stops_both_ranks_naming_the_rank_that_tripped(venv, tmp_path):
     """NUMGUARD=1 on an unmodified two-rank gloo script; only rank 1 overflows."""
     script = tmp_path / "train.py"
     script.write_text(open(SCRIPT, encoding="utf-8").read())
-    port = str(_free_port())
-    procs = []
-    for rank in range(2):
-        environ = _clean_env(NUMGUARD="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                             LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen([venv, str(script), "--steps", "3", "--overflow-at", "1",
-                                       "--overflow-rank", "1"], env=environ, cwd=tmp_path,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = []
-    try:
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=300)
-            results.append((proc.returncode, stdout, stderr))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    from dist_workers import free_port, rank_environ, run_rank_processes
+
+    port = free_port()
+    environs = [rank_environ(_clean_env(NUMGUARD="1"), rank, 2, port) for rank in range(2)]
+    results = run_rank_processes([venv, str(script), "--steps", "3", "--overflow-at", "1", "--overflow-rank", "1"],
+                                 environs, str(tmp_path), timeout=300)
     for rank, (code, stdout, stderr) in enumerate(results):
         assert "step 0 loss" in stdout, stderr[-3000:]
         assert "step 1 loss" not in stdout, stdout
