@@ -412,8 +412,10 @@ def test_evaluation_with_gradients_on_one_rank_neither_crashes_nor_loses_the_tri
 
 
 def test_missing_rank_is_warned_about_once_by_name(partial):
-    first = partial[0]["eval/0/1"]["warnings"]
-    assert len(first) == 1, first
+    # (Rank 0's extra evaluation batch also shifts its batch numbers against rank 1's: the
+    # exchange says so in a warning of its own, which is not counted here.)
+    first = [w for w in partial[0]["eval/0/1"]["warnings"] if "did not come" in w]
+    assert len(first) == 1, partial[0]["eval/0/1"]["warnings"]
     assert "ranks [1] did not come to numguard's trip exchange" in first[0]
     assert "this process is rank 0" in first[0] and "dist_workers.py:" in first[0]
     for r in partial:
