@@ -2,7 +2,7 @@
 
 Conditions (interleaved round-robin, medians): no hooks / numguard.watch (sync check) / numguard
 check="async" / numguard check_every=10 / numguard backward=True (training only, when available)
-/ Transformers' DebugUnderflowOverflow / torch.autograd.detect_anomaly. Models: random-init GPT-2
+/ numguard ops=True (training only) / Transformers' DebugUnderflowOverflow / torch.autograd.detect_anomaly. Models: random-init GPT-2
 (~1M and ~14M parameters) and T5 (~13M), CPU, one thread. Steps: forward only (no_grad) and
 forward + backward + AdamW.
 
@@ -115,6 +115,8 @@ def conditions(training):
            ("numguard check_every=10", lambda m: Watch(m, check_every=10))]
     if training and have_backward():
         out.append(("numguard backward=True", lambda m: Watch(m, backward=True)))
+    if training:
+        out.append(("numguard ops=True", lambda m: Watch(m, ops=True)))
     out += [("transformers DebugUnderflowOverflow", HFHooks),
             ("torch detect_anomaly", Anomaly)]
     return out

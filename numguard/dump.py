@@ -19,6 +19,8 @@ Schema (``format == "numguard-report"``, ``version == 1``); JSON numbers may be 
       "labels": [str, ...],     # the offending labels of that frame
       "section": "forward" | "backward" | ...,
       "max_frames_to_save": int, "headroom": float, "backend": "native" | "torch",
+      "operation": {"op": str, "site": str, "input_abs_max": float | null, "output_abs_max": float | null},
+                                # optional: the first bad operation (watch(ops=True))
       "frames": [               # oldest first; the last one is the offending frame
         {
           "name": str, "class": str, "section": str, "batch": int,
@@ -31,7 +33,8 @@ Schema (``format == "numguard-report"``, ``version == 1``); JSON numbers may be 
           "extra": [bool, ...],        # a line Transformers does not print
           "dtypes": ["torch.float16" | null, ...],
           "shapes": [[int, ...] | null, ...],
-          "records": [[abs_min, abs_max, min_nonzero, nan, pos_inf, neg_inf, zero, subnormal] | null, ...]
+          "records": [[abs_min, abs_max, min_nonzero, nan, pos_inf, neg_inf, zero, subnormal] | null, ...],
+          "op": str, "site": str       # optional: an operation frame's aten op and call site (file:line)
         }, ...
       ]
     }

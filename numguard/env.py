@@ -403,6 +403,9 @@ VARIABLES = (
     Variable("NUMGUARD_ABORT_AFTER", "stop after this batch", _BATCH_MIN0.accepted, _BATCH_MIN0, None,
              "abort_after_batch_num"),
     Variable("NUMGUARD_BACKWARD", "`0`/`1`: also watch gradients", _SWITCH, _switch, False, "backward"),
+    Variable("NUMGUARD_OPS",
+             "`0`/`1`: record every aten operation of the forward (slower; names the first bad operation)",
+             _SWITCH, _switch, False, "ops"),
     Variable("NUMGUARD_CHECK", "`sync` (default) or `async`", "sync or async (any case)",
              _choice("sync", "async"), "sync", "check"),
     Variable("NUMGUARD_CHECK_EVERY", "check every N-th batch (default 1)", _BATCH_MIN1.accepted,
@@ -645,6 +648,7 @@ WATCH_DEFAULTS = types.MappingProxyType({
     "report_to": STDOUT,
     "extras": True,
     "scaler_skips": "count",
+    "ops": False,
 })
 
 # option -> validator(value) -> normalized value; raises OptionError.
@@ -661,6 +665,7 @@ WATCH_VALIDATORS = types.MappingProxyType({
     "report_to": _report_to,
     "extras": _flag("extras"),
     "scaler_skips": _one_of("scaler_skips", ("count", "trip")),
+    "ops": _flag("ops"),
 })
 assert WATCH_VALIDATORS.keys() == WATCH_DEFAULTS.keys()
 

@@ -73,7 +73,10 @@ def frame_text(frame: dict, extras: bool = True) -> str:
     lines = []
     if frame.get("batch_start") is not None:
         lines.extend(batch_start_lines(frame["batch_start"]))
-    lines.append(f"{PREFIX} {frame['name']} {frame['class']}")
+    header = f"{PREFIX} {frame['name']} {frame['class']}"
+    if frame.get("op"):  # an operation frame (watch(ops=True)): the op and its call site
+        header += f" {frame['op']}" + (f" at {frame['site']}" if frame.get("site") else "")
+    lines.append(header)
     extra_flags = frame.get("extra") or [False] * len(frame["labels"])
     for label, kind, record, extra in zip(frame["labels"], frame["kinds"], frame["records"], extra_flags):
         if extra and not extras:
@@ -192,6 +195,17 @@ def summary_lines(report: dict) -> list[str]:
         name = module if module else "(root module)"
         out.append(f"numguard: first non-finite value in {name} ({report.get('class', '')}) {labels}, "
                    f"{report.get('section', 'forward')} pass, {where}{rank_text}")
+    operation = report.get("operation")
+    if isinstance(operation, dict):  # unknown fields of an older or foreign dump are ignored
+        name = module if module else "(root module)"
+        site = f" at {operation['site']}" if operation.get("site") else ""
+        values = []
+        for key, text in (("input_abs_max", "input abs max"), ("output_abs_max", "output")):
+            value = operation.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                values.append(f"{text} {value:.1e}")
+        out.append(f"numguard: first non-finite operation: {operation.get('op')} in {name} "
+                   f"({report.get('class', '')}){site}" + (": " + ", ".join(values) if values else ""))
     ranks = report.get("ranks") or []
     if ranks:
         out.append("numguard: ranks that tripped: " + ", ".join(

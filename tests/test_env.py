@@ -36,6 +36,7 @@ def test_every_variable_maps_to_its_watch_argument():
         "NUMGUARD_TRACE_BATCHES": "1,3,10-12",
         "NUMGUARD_ABORT_AFTER": "0",
         "NUMGUARD_BACKWARD": "1",
+        "NUMGUARD_OPS": "1",
         "NUMGUARD_CHECK": "ASYNC",
         "NUMGUARD_CHECK_EVERY": "10",
         "NUMGUARD_ON_TRIP": "dump",
@@ -46,12 +47,14 @@ def test_every_variable_maps_to_its_watch_argument():
         "trace_batch_nums": BatchSet([1, 3, 10, 11, 12]),
         "abort_after_batch_num": 0,
         "backward": True,
+        "ops": True,
         "check": "async",
         "check_every": 10,
         "on_trip": "dump",
         "dump_dir": "/tmp/dumps",
     }
     assert env.settings_from_env({"NUMGUARD_BACKWARD": "0"}) == {"backward": False}
+    assert env.settings_from_env({"NUMGUARD_OPS": " 0 "}) == {"ops": False}
     assert env.log_level_from_env({"NUMGUARD_LOG_LEVEL": "debug"}) == logging.DEBUG
     assert env.log_level_from_env({"NUMGUARD_LOG_LEVEL": "15"}) == 15
     assert env.dist_settings_from_env({"NUMGUARD_DIST_CHECK": "1", "NUMGUARD_DIST_TIMEOUT": "2.5"}) == {
@@ -113,6 +116,8 @@ def test_batch_set_from_python_values():
     ("NUMGUARD_TRACE_BATCHES", "1-99999999999999999", "2**53-1"),
     ("NUMGUARD_ABORT_AFTER", "-1", "whole number (digits 0-9) from 0 to"),
     ("NUMGUARD_BACKWARD", "true", "0 or 1"),
+    ("NUMGUARD_OPS", "yes", "0 or 1"),
+    ("NUMGUARD_OPS", "2", "0 or 1"),
     ("NUMGUARD_CHECK", "sometimes", "sync or async"),
     ("NUMGUARD_CHECK_EVERY", "0", "whole number (digits 0-9) from 1 to"),
     ("NUMGUARD_ON_TRIP", "explode", "raise, warn or dump"),

@@ -8,6 +8,7 @@ Modules, in the order a watched tensor meets them:
 - ``frames``: owners, the Frame record, and how a call's arguments become report lines;
 - ``core``: the Inspector (hooks and the batch life cycle) and watch();
 - ``ring``: the device ring, recording, reuse of tensors already recorded, growth;
+- ``operations``: ops=True, a dispatch mode recording every aten operation of the forward;
 - ``weights``: the per-batch weight table and the per-module weight flags;
 - ``checks``: reading the trip flag (sync / async) and sharing it across ranks;
 - ``trips``: reports, on_trip actions, headroom warnings, traces;

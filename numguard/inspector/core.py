@@ -23,6 +23,7 @@ from . import frames as _frames
 from .checks import FlagReader
 from .hooks import ModuleHooks, active
 from .options import STDOUT, WatchOptions
+from .operations import OperationRecorder
 from .ring import FrameRing
 from .trips import Reporter
 from .weights import WeightTable
@@ -87,6 +88,8 @@ class Inspector(ModuleHooks):
             dataclass outputs, deeper nesting) on lines of their own.
         scaler_skips: with backward=True, a step that torch.amp.GradScaler skips for inf/NaN
             gradients is "count"ed (default; not a trip) or a "trip" (numguard.backward).
+        ops: also record every aten operation the forward runs (numguard.inspector.operations;
+            slower): a trip names the first operation that made a NaN/Inf and its call site.
     """
 
     def __init__(self, model: torch.nn.Module, max_frames_to_save=21, trace_batch_nums=(),
@@ -112,12 +115,15 @@ class Inspector(ModuleHooks):
         self._batch_open = False
         self._thread = None
         self._backward_watch = None
+        self._ops = None
         self._ring = FrameRing(max(64, 8 * opts.max_frames_to_save), _model_device(model),
                                on_drop=self._frames_dropped)
         self._weights = WeightTable(self._owners, opts.headroom)
         self._reader = FlagReader(self._ring, opts.check, self._warned)
         self._reporter = Reporter(self._ring, self._weights, opts, self._warned, self._reader)
         try:
+            if opts.ops:
+                self._ops = OperationRecorder(self)
             self._install_hooks(model)
             for module in self._module_names.keys():
                 _watched[module] = _watched.get(module, 0) + 1
@@ -170,6 +176,7 @@ class Inspector(ModuleHooks):
     dump_dir = property(lambda self: self.options.dump_dir)
     extras = property(lambda self: self.options.extras)
     scaler_skips = property(lambda self: self.options.scaler_skips)
+    ops = property(lambda self: self.options.ops)
 
     @property
     def report_to(self):
@@ -235,6 +242,8 @@ class Inspector(ModuleHooks):
                 self.check_now("close")
         finally:
             self._closed = True
+            if self._ops is not None:
+                self._ops_call("stop")
             for h in self._handles:
                 h.remove()
             self._handles.clear()

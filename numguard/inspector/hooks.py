@@ -50,6 +50,12 @@ class ModuleHooks:
             else:
                 self._handles.append(module.register_forward_hook(
                     functools.partial(self._hook, owner), with_kwargs=True))
+                if self._ops is not None:
+                    # Operation mode names the module whose forward runs each operation.
+                    self._handles.append(module.register_forward_pre_hook(
+                        functools.partial(_ops_push, self._ops, owner)))
+                    self._handles.append(module.register_forward_hook(
+                        functools.partial(_ops_pop, self._ops, owner), always_call=True))
 
     def _add_after_hook(self, owner, module):
         # NOTE: [forward raised] Runs after the returned-hook on a normal return, alone when the
@@ -75,6 +81,8 @@ class ModuleHooks:
                 self._begin_batch()
             if self not in active:
                 active.append(self)
+            if self._ops is not None:
+                self._ops_call("start", owner)
         elif self._thread != threading.get_ident():
             self._warn_once("threads", "numguard: the watched model is being called from several threads at "
                             "once; one Inspector counts batches for one thread, so batch numbers and the "
@@ -83,9 +91,24 @@ class ModuleHooks:
 
     def _leave_top(self):
         self._depth = max(0, self._depth - 1)
-        if self._depth == 0 and self in active:
-            active.remove(self)
+        if self._depth == 0:
+            if self in active:
+                active.remove(self)
+            if self._ops is not None:
+                self._ops_call("stop")
         return self._depth == 0
+
+    def _ops_call(self, what, *args):
+        """Start or stop operation mode; its failure switches it off, never the job."""
+        try:
+            getattr(self._ops, what)(*args)
+        except Exception as exc:
+            self._ops_failed(exc)
+
+    def _ops_failed(self, exc):
+        self._ops.off = True
+        self._warn_once(("ops",), f"numguard: operation mode stopped after an internal error "
+                                  f"({type(exc).__name__}: {exc}); modules are still watched")
 
     def _root_hook(self, owner, module, args, kwargs, output):
         owner.returned = True
@@ -110,6 +133,16 @@ class ModuleHooks:
         return None
 
     def _hook(self, owner, module, args, kwargs, output):
+        ops = self._ops
+        if ops is None:
+            return self._module_hook(owner, module, args, kwargs, output)
+        ops.paused += 1  # numguard's own recording is not an operation of the model
+        try:
+            return self._module_hook(owner, module, args, kwargs, output)
+        finally:
+            ops.paused -= 1
+
+    def _module_hook(self, owner, module, args, kwargs, output):
         if owner.off or self._closed or _is_compiling():
             return None
         try:
@@ -141,3 +174,11 @@ class ModuleHooks:
         self._warn_once(("module", owner.index, owner.name),
                         f"numguard: stopped watching module {name!r} ({owner.cls}) after an internal error: "
                         f"{type(exc).__name__}: {exc}. Training goes on; the other modules are still watched.")
+
+
+def _ops_push(ops, owner, module, args):
+    ops.push(owner)
+
+
+def _ops_pop(ops, owner, module, args, output):
+    ops.pop(owner)

@@ -24,6 +24,7 @@ class WatchOptions:
     report_to: object
     extras: bool
     scaler_skips: str
+    ops: bool
 
     @classmethod
     def from_arguments(cls, **arguments) -> "WatchOptions":

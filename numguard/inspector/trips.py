@@ -9,11 +9,28 @@ from .. import ops, schema
 from .. import report as _report
 from ..errors import HeadroomWarning, InspectorWarning, NonFiniteError, NonFiniteWarning
 from . import checks
+from . import operations as _operations
 from .frames import EXTRA, TENSOR
 from .options import STDOUT
 from .weights import LOW_PRECISION_MAX
 
 _KIND_NAMES = schema.LINE_KINDS  # indexed by frames.TENSOR, NONE, NOT_A_TENSOR
+OPERATION_FRAMES = 6  # operation frames shown: the first bad operation and those just before it
+
+
+def _operation_summary(frame):
+    """The first bad operation of an operations frame: its name, call site, and the largest
+    input and the output as ``x.abs().max()`` would show them (None when not recorded)."""
+    inputs, outputs = [], []
+    for label, record in zip(frame["labels"], frame["records"]):
+        if record is None:
+            continue
+        shown = _report.shown_abs_min_max(record)[1]
+        (inputs if label.startswith("input") else outputs).append(shown)
+    bad_out = [v for v in outputs if v != v or v == float("inf")]
+    return {"op": frame["op"], "site": frame["site"],
+            "input_abs_max": max(inputs, key=lambda v: (v != v, v)) if inputs else None,
+            "output_abs_max": bad_out[0] if bad_out else (max(outputs) if outputs else None)}
 
 
 class Reporter:
@@ -67,9 +84,14 @@ class Reporter:
                 records.append(None)
                 dtypes.append(None)
                 shapes.append(None)
-        return {"name": owner.name, "class": owner.cls, "section": f.section, "batch": f.batch,
-                "batch_start": f.batch_start, "hf": bool(f.hf), "labels": labels, "kinds": kinds,
-                "extra": extra, "dtypes": dtypes, "shapes": shapes, "records": records}
+        out = {"name": owner.name, "class": owner.cls, "section": f.section, "batch": f.batch,
+               "batch_start": f.batch_start, "hf": bool(f.hf), "labels": labels, "kinds": kinds,
+               "extra": extra, "dtypes": dtypes, "shapes": shapes, "records": records}
+        op = getattr(owner, "op", None)
+        if op is not None:  # an operation frame (ops=True)
+            out["op"] = op
+            out["site"] = owner.site
+        return out
 
     def build_report(self, offender, host_ring, found_at=None) -> dict:
         """The report dictionary (numguard.dump's schema) for the frame at index `offender`."""
@@ -82,7 +104,9 @@ class Reporter:
         for want in {"forward", section}:
             count = 0
             j = offender
-            while j >= floor and count < max_frames:
+            # Operation frames: the offender and the few just before it.
+            limit = min(max_frames, OPERATION_FRAMES) if want == _operations.SECTION else max_frames
+            while j >= floor and count < limit:
                 f = frames[j]
                 if f.section == want:
                     if want != "forward" or f.hf:
@@ -103,7 +127,7 @@ class Reporter:
                if _report.is_nonfinite(rec)]
         batch = off.batch
         hf_batch = batch + (1 if (off.owner.is_root and section == "forward" and off.hf) else 0)
-        return {
+        report = {
             "format": "numguard-report", "version": 1,
             "batch_number": hf_batch, "batch": batch, "found_at_batch": found_at,
             "check": self.options.check, "check_every": self.options.check_every, "where": self.reader.where,
@@ -112,6 +136,9 @@ class Reporter:
             "max_frames_to_save": max_frames, "headroom": self.options.headroom,
             "backend": ops.backend(), "frames": out_frames,
         }
+        if "op" in offender_frame:
+            report["operation"] = _operation_summary(offender_frame)
+        return report
 
     # -- a trip ----------------------------------------------------------------------------------
     def handle_trip(self, status, host_ring, on_trip=None, on_report=None):
@@ -163,9 +190,12 @@ class Reporter:
         elif report is not None:
             on_rank = f" on rank {rank}" if rank is not None else ""
             step_text = f" ({step[0]}={step[1]})" if step is not None else ""
+            operation = report.get("operation")
+            op_text = (f" by operation {operation['op']}" + (f" at {operation['site']}" if operation["site"] else "")
+                       if operation else "")
             msg = (f"numguard: inf/nan detected{on_rank} during batch_number={report['batch']}{step_text} in "
                    f"{module if module else '(root module)'} ({report['class']}) "
-                   f"[{', '.join(labels)}]; the report above shows the frames that led to it")
+                   f"[{', '.join(labels)}]{op_text}; the report above shows the frames that led to it")
         else:
             tripping = [r for r, m in ranks] or [i for i, v in enumerate(status.others) if v]
             names = ", ".join(self._rank_text(detail, status.found_at) for detail in ranks) \

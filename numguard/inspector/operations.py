@@ -1,0 +1,193 @@
+"""Operation mode (``watch(model, ops=True)`` / ``NUMGUARD_OPS=1``): while the watched forward
+runs, a TorchDispatchMode records the floating-point outputs (and tensor inputs) of every aten
+operation into the Inspector's ring, one ``record_`` launch per operation and no host sync, as
+frames of the "operations" section. A trip then names the first operation that made a NaN/Inf,
+the module whose forward ran it and the call site (file:line) in the user's code.
+
+Backward operations are not recorded (only the forward between the top module's pre-hook and
+its return).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from . import frames as _frames
+
+SECTION = "operations"
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_NUMGUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_FLOATING = frozenset(d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16,
+                                  getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
+                      if d is not None)
+_Tensor = torch.Tensor
+_dead = lambda: None  # noqa: E731  (a weakref that never matches)
+_internal_code = {}   # code object -> whether it belongs to torch, numguard or this interpreter's glue
+
+
+def _is_internal(code):
+    hit = _internal_code.get(code)
+    if hit is None:
+        name = code.co_filename
+        hit = _internal_code[code] = (name.startswith(_TORCH_DIR) or name.startswith(_NUMGUARD_DIR)
+                                      or name.startswith("<"))
+    return hit
+
+
+def call_site():
+    """'file.py:123' of the innermost frame outside torch and numguard ('' when there is none)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if not _is_internal(frame.f_code):
+            return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return ""
+
+
+def _skipped(func):
+    """numguard's own ops, views and metadata-only ops: nothing new to look at."""
+    if func.namespace == "numguard":
+        return True
+    try:
+        return func.is_view or func._schema.name in _METADATA
+    except Exception:
+        return True
+
+
+_METADATA = frozenset({"aten::detach", "aten::alias", "aten::lift_fresh", "aten::sym_size", "aten::sym_stride",
+                       "aten::sym_numel", "aten::sym_storage_offset", "aten::_local_scalar_dense",
+                       "aten::is_same_size", "aten::empty_like", "aten::empty", "aten::empty_strided",
+                       "aten::set_", "aten::resize_"})
+
+
+# Operations that turn -inf into finite values (a -inf attention mask ends here).
+_CLEARS_INTENDED = frozenset({"aten::_softmax", "aten::softmax", "aten::_safe_softmax", "aten::exp",
+                              "aten::sigmoid"})
+_INF = float("inf")
+
+
+def _clears_intended(op):
+    return op in _CLEARS_INTENDED or "scaled_dot_product" in op
+
+
+def _nonfinite_scalar(values):
+    """Whether a Python number among `values` is inf or NaN (e.g. masked_fill(mask, -inf))."""
+    for v in values:
+        if type(v) is float and (v != v or v == _INF or v == -_INF):
+            return True
+    return False
+
+
+class OpOwner(_frames.Owner):
+    """The owner of an operation frame: the module whose forward ran it, the op and the call site."""
+    __slots__ = ("op", "site", "module")
+
+    def __init__(self, module_owner, op, site):
+        super().__init__(-1, module_owner.name, module_owner.cls, module_owner.ref, headroom=0.0)
+        self.op = op
+        self.site = site
+        self.module = module_owner
+
+
+class OperationRecorder(TorchDispatchMode):
+    """Records aten operations into `inspector`'s ring while entered. Owners come from a stack of
+    the modules whose forward is running (pushed by pre-hooks, popped by always-called hooks)."""
+
+    def __init__(self, inspector):
+        super().__init__()
+        self.inspector = inspector
+        self.stack = []
+        self.paused = 0        # > 0 while numguard itself runs torch code inside the forward
+        self.off = False       # an internal error switched operation mode off for this inspector
+        self.entered = False
+        self._owners = {}      # (module owner index, op, site) -> OpOwner
+        # id(tensor) -> weakref: tensors non-finite by intent (made with an explicit inf/NaN
+        # number, e.g. a -inf attention mask) and what is computed from them up to a softmax.
+        self.intended = {}
+
+    # -- module stack (hooks installed only with ops=True) ---------------------------------------
+    def push(self, owner):
+        if self.entered:
+            self.stack.append(owner)
+
+    def pop(self, owner):
+        if self.entered and self.stack and self.stack[-1] is owner:
+            self.stack.pop()
+
+    def start(self, top_owner):
+        if self.off or self.entered:
+            return
+        self.stack = [top_owner]
+        self.__enter__()
+        self.entered = True
+
+    def stop(self):
+        if not self.entered:
+            return
+        self.entered = False
+        self.stack = []
+        self.intended.clear()
+        self.__exit__(None, None, None)
+
+    # -- the mode --------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.off or self.paused or _skipped(func):
+            return out
+        self.paused += 1   # what recording runs is numguard's own work, never recorded
+        try:
+            self._record(func, args, kwargs, out)
+        except Exception as exc:  # numguard's own failure must not kill the job
+            self.inspector._ops_failed(exc)
+        finally:
+            self.paused -= 1
+        return out
+
+    def _record(self, func, args, kwargs, out):
+        if type(out) is _Tensor:
+            if out.dtype not in _FLOATING:
+                return
+            outs = [out]
+            out_labels = ["output"]
+        else:
+            flat, _ = tree_flatten(out)
+            outs = [x for x in flat if isinstance(x, _Tensor) and x.dtype in _FLOATING]
+            if not outs:
+                return
+            out_labels = [f"output[{i}]" for i in range(len(outs))]
+        flat_in, _ = tree_flatten((args, kwargs))
+        ins = [x for x in flat_in if isinstance(x, _Tensor)]
+        op = func._schema.name
+        intended = self.intended
+        if intended:
+            kept = [x for x in ins if (intended.get(id(x)) or _dead)() is not x]
+            tainted = len(kept) < len(ins)
+        else:
+            kept, tainted = ins, False
+        if _nonfinite_scalar(flat_in) or (tainted and not _clears_intended(op)):
+            # Non-finite by intent: not a numerics bug, so not recorded (the module frames still
+            # see whatever reaches a module's output).
+            if len(intended) > 4096:
+                intended.clear()
+            for x in outs:
+                intended[id(x)] = weakref.ref(x)
+            return
+        ins = kept
+        insp = self.inspector
+        module_owner = self.stack[-1] if self.stack else insp._root_owner
+        site = call_site()
+        key = (id(module_owner), op, site)
+        owner = self._owners.get(key)
+        if owner is None:
+            if len(self._owners) > 100_000:  # bounded however many call sites a job has
+                self._owners.clear()
+            owner = self._owners[key] = OpOwner(module_owner, op, site)
+        labels = [f"input[{i}]" for i in range(len(ins))] + out_labels
+        kinds = [_frames.TENSOR] * len(labels)
+        insp._ring.record(owner, ins + outs, labels, kinds, SECTION, False, False, insp._batches_done)

@@ -1,0 +1,247 @@
+"""Operation mode (watch(model, ops=True) / NUMGUARD_OPS=1): the first operation that made a
+NaN/Inf is named with its module and call site, without host syncs on healthy batches."""
+import os
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+import numguard
+from numguard.errors import InspectorWarning
+from numguard.inspector import operations
+from inspector_helpers import SyncCounter, quiet, tiny_gpt2, train_steps
+
+THIS_FILE = os.path.basename(__file__)
+
+
+def _line(marker):
+    """The line number of the line of this file that ends with `# <marker>`."""
+    with open(__file__, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.rstrip().endswith(f"# {marker}"):
+                return number
+    raise AssertionError(marker)
+
+
+class LogHead(nn.Module):
+    """A Linear then a log of a shifted value: negative inputs make NaN in aten::log."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.log(h - 1000.0)  # op: log
+
+
+class Fp16Exp(nn.Module):
+    def forward(self, x):
+        y = x.to(torch.float16)
+        return torch.exp(y)  # op: exp
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.act = Fp16Exp()
+
+    def forward(self, x):
+        return self.act(self.proj(x) * 20.0).float()
+
+
+class Stack(nn.Module):
+    """Nested blocks: the exp overflow happens two levels down."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x) * 1e-3
+        return x
+
+
+def _divide(x, by):
+    return x / by  # op: div
+
+
+class Divider(nn.Module):
+    """An op called through a helper function: its call site is the helper's line."""
+
+    def __init__(self, numerator_zero):
+        super().__init__()
+        self.norm = nn.LayerNorm(4)
+        self.numerator_zero = numerator_zero
+
+    def forward(self, x):
+        x = self.norm(x)
+        if self.numerator_zero:
+            x = x * 0.0
+        return _divide(x, torch.zeros_like(x))
+
+
+def _trip(model, x, **options):
+    with numguard.watch(model, **quiet(ops=True, **options)) as insp:
+        with pytest.raises(numguard.NonFiniteError) as info:
+            model(x)
+    assert _get_current_dispatch_mode() is None  # the mode is left even though the forward raised
+    return insp, info.value
+
+
+def test_log_of_negative_is_named_with_module_and_call_site():
+    torch.manual_seed(0)
+    model = LogHead()
+    insp, err = _trip(model, torch.randn(2, 4))
+    report = insp.last_report
+    assert report["operation"]["op"] == "aten::log"
+    assert report["operation"]["site"] == f"{THIS_FILE}:{_line('op: log')}"
+    assert report["module"] == "" and report["class"] == "LogHead"
+    assert err.module == ""
+    assert "aten::log" in str(err) and f"{THIS_FILE}:{_line('op: log')}" in str(err)
+    line = next(l for l in err.report.splitlines() if l.startswith("numguard: first non-finite operation"))
+    assert line.startswith(f"numguard: first non-finite operation: aten::log in (root module) (LogHead) at "
+                           f"{THIS_FILE}:{_line('op: log')}: input abs max ")
+    assert line.endswith("output nan")
+    # The module frames leading to the operation are still in the report (the Linear ran before it).
+    assert "                  lin Linear" in err.report
+    assert "Last 1 forward frames:" in err.report
+
+
+def test_fp16_exp_overflow_names_the_nested_module():
+    torch.manual_seed(0)
+    model = Stack()
+    x = torch.full((2, 4), 1.0)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.proj.weight.fill_(0.5)
+            block.proj.bias.zero_()
+    insp, err = _trip(model, x)
+    op = insp.last_report["operation"]
+    assert op["op"] == "aten::exp" and op["site"] == f"{THIS_FILE}:{_line('op: exp')}"
+    assert op["output_abs_max"] == float("inf")
+    assert op["input_abs_max"] == pytest.approx(40.0)   # 4 * 0.5 * 20: exp(40) overflows float16
+    assert err.module == "blocks.0.act" and insp.last_report["class"] == "Fp16Exp"
+    assert ("numguard: first non-finite operation: aten::exp in blocks.0.act (Fp16Exp) at "
+            f"{THIS_FILE}:{_line('op: exp')}: input abs max 4.0e+01, output inf") in err.report
+    # The operations section shows the bad operation with the ones just before it.
+    section = err.report.split("operations frames:")[1]
+    assert "blocks.0.proj Linear aten::addmm" in section or "blocks.0.proj Linear aten::" in section
+    assert f"blocks.0.act Fp16Exp aten::exp at {THIS_FILE}:{_line('op: exp')}" in section
+
+
+@pytest.mark.parametrize("numerator_zero, output", [(False, "inf"), (True, "nan")])
+def test_division_by_zero(numerator_zero, output):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Divider(numerator_zero))
+    insp, err = _trip(model, torch.randn(3, 4))
+    op = insp.last_report["operation"]
+    assert op["op"] == "aten::div" and op["site"] == f"{THIS_FILE}:{_line('op: div')}"
+    assert err.module == "1" and insp.last_report["class"] == "Divider"
+    assert err.report.splitlines().count(
+        f"numguard: first non-finite operation: aten::div in 1 (Divider) at {THIS_FILE}:{_line('op: div')}: "
+        f"input abs max {op['input_abs_max']:.1e}, output {output}") == 1
+    # Module frames before the operation: the Linear and the LayerNorm.
+    assert "                  0 Linear" in err.report and "                  1.norm LayerNorm" in err.report
+
+
+def test_ops_off_records_no_operation_frames_and_names_no_operation():
+    model = LogHead()
+    with numguard.watch(model, **quiet()) as insp:
+        with pytest.raises(numguard.NonFiniteError) as info:
+            model(torch.randn(2, 4))
+    assert "operation" not in insp.last_report
+    assert "aten::" not in info.value.report and "aten::" not in str(info.value)
+    assert info.value.module == ""
+
+
+def test_healthy_ops_batches_keep_operation_frames_and_no_mode_after():
+    model = tiny_gpt2(torch.float32)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with numguard.watch(model, **quiet(ops=True)) as insp:
+        with torch.no_grad():
+            model(ids)
+        sections = {section for _, section, _ in insp.held().frames}
+        assert _get_current_dispatch_mode() is None
+    assert sections == {"forward", "operations"}
+
+
+def test_no_sync_with_ops_except_the_batch_end_read(backend):
+    model = tiny_gpt2(torch.float32)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    opt = train_steps(model, 1, ids)
+    insp = numguard.watch(model, **quiet(ops=True))
+    train_steps(model, 1, ids, opt)
+    steps = 3
+    with SyncCounter()() as counter:
+        train_steps(model, steps, ids, opt)
+    assert len([f for f in insp.held().frames if f[1] == "operations"]) > 0
+    insp.close()
+    assert counter.in_hooks == 0, counter.where
+    assert counter.numguard <= steps, counter.where
+
+
+def test_internal_error_in_the_mode_warns_once_and_switches_it_off(monkeypatch):
+    def broken():
+        raise RuntimeError("call site lookup failed")
+    monkeypatch.setattr(operations, "call_site", broken)
+    torch.manual_seed(0)
+    model = LogHead()
+    with torch.no_grad():
+        model.lin.weight.zero_()
+        model.lin.bias.fill_(2000.0)   # healthy: log(1000)
+    insp = numguard.watch(model, **quiet(ops=True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model(torch.randn(2, 4))
+        model(torch.randn(2, 4))
+    ours = [w for w in caught if issubclass(w.category, InspectorWarning) and "operation mode" in str(w.message)]
+    assert len(ours) == 1 and "call site lookup failed" in str(ours[0].message)
+    assert torch.isfinite(out).all()
+    assert _get_current_dispatch_mode() is None
+    # Modules are still watched: a NaN is still reported, by module.
+    with torch.no_grad():
+        model.lin.bias.zero_()
+    with pytest.raises(numguard.NonFiniteError) as info:
+        model(torch.randn(2, 4))
+    assert info.value.module == "" and "operation" not in insp.last_report
+    insp.close()
+
+
+def test_numguard_ops_variable_turns_it_on(monkeypatch):
+    monkeypatch.setenv("NUMGUARD_OPS", "1")
+    model = LogHead()
+    with numguard.watch(model, **quiet()) as insp:
+        assert insp.ops is True
+        with pytest.raises(numguard.NonFiniteError, match="aten::log"):
+            model(torch.randn(2, 4))
+    with numguard.watch(model, **quiet(ops=False)) as insp:
+        assert insp.ops is False
+    # The drop-in never records operations: it prints what Transformers prints.
+    dropin = numguard.DebugUnderflowOverflow(model)
+    assert dropin.ops is False
+    dropin.close()
+
+
+def test_bad_ops_value_is_a_clear_error():
+    with pytest.raises(ValueError, match="ops="):
+        numguard.watch(LogHead(), ops="yes")
+
+
+class MaskedAttention(nn.Module):
+    def forward(self, scores):
+        mask = torch.ones_like(scores, dtype=torch.bool).triu(1)
+        return torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+
+
+def test_a_minus_inf_mask_up_to_the_softmax_is_not_a_trip():
+    model = nn.Sequential(nn.Linear(4, 4), MaskedAttention())
+    with numguard.watch(model, **quiet(ops=True)) as insp:
+        out = model(torch.randn(4, 4))
+        ops = [f for f in insp.held().frames if f[1] == "operations"]
+    assert torch.isfinite(out).all() and insp.trips == 0
+    assert len(ops) >= 2   # the Linear's addmm and the softmax are still recorded
