@@ -48,8 +48,10 @@ class ModuleHooks:
                     torch.compiler.disable(functools.partial(self._root_hook, owner)), with_kwargs=True))
                 self._add_after_hook(owner, module)
             else:
+                # Without operation mode the hook is the module hook itself (no extra call per module).
+                hook = self._hook if self._ops is not None else self._module_hook
                 self._handles.append(module.register_forward_hook(
-                    functools.partial(self._hook, owner), with_kwargs=True))
+                    functools.partial(hook, owner), with_kwargs=True))
                 if self._ops is not None:
                     # Operation mode names the module whose forward runs each operation.
                     self._handles.append(module.register_forward_pre_hook(
