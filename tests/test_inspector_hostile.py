@@ -331,6 +331,24 @@ def test_watch_failing_after_its_hooks_are_in_removes_them(monkeypatch):
     model(torch.full((2, 8), NAN))
 
 
+def test_a_failing_watch_leaves_the_other_inspectors_modules_watched(monkeypatch):
+    from numguard.inspector import core, is_watched
+
+    model = MLP()
+    first = numguard.watch(model, **quiet())
+
+    def broken(self, model):
+        self._module_names[model] = ""  # got as far as naming the root
+        raise RuntimeError("hooks could not be installed")
+
+    monkeypatch.setattr(core.Inspector, "_install_hooks", broken)
+    with pytest.raises(RuntimeError, match="could not be installed"):
+        numguard.watch(model, **quiet())
+    assert is_watched(model)
+    first.close()
+    assert not is_watched(model)
+
+
 # --- several threads -----------------------------------------------------------------------------
 class Slow(nn.Module):
     def __init__(self, gate):

@@ -116,6 +116,7 @@ class Inspector(ModuleHooks):
         self._thread = None
         self._backward_watch = None
         self._ops = None
+        self._registered = []             # weak refs of the modules counted in _watched
         self._ring = FrameRing(max(64, 8 * opts.max_frames_to_save), _model_device(model),
                                on_drop=self._frames_dropped)
         self._weights = WeightTable(self._owners, opts.headroom)
@@ -127,6 +128,7 @@ class Inspector(ModuleHooks):
             self._install_hooks(model)
             for module in self._module_names.keys():
                 _watched[module] = _watched.get(module, 0) + 1
+                self._registered.append(weakref.ref(module))
             if opts.backward:
                 self._watch_gradients(model)
         except BaseException:
@@ -247,12 +249,15 @@ class Inspector(ModuleHooks):
             for h in self._handles:
                 h.remove()
             self._handles.clear()
-            for module in list(self._module_names.keys()):
+            # Only what this inspector counted: a watch() that failed half-way must not uncount
+            # another inspector's modules.
+            for module in filter(None, (ref() for ref in self._registered)):
                 count = _watched.get(module, 0) - 1
                 if count > 0:
                     _watched[module] = count
                 else:
                     _watched.pop(module, None)
+            self._registered.clear()
             if self._backward_watch is not None:
                 try:
                     self._backward_watch.close()
