@@ -26,6 +26,10 @@ TORCH_LIBRARY(numguard, m) {
   m.def("record_(Tensor(a!) ring, Tensor(b!) state, Tensor[] xs, int position, float headroom) -> ()");
 }
 
+namespace numguard {
+void bind_frame_recorder(pybind11::module& module);  // csrc/recorder.cpp
+}  // namespace numguard
+
 namespace {
 
 // The layout this build computes with, for numguard.ops to compare with numguard.schema at load.
@@ -63,4 +67,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "Field names of the recording state, in order (numguard.schema.STATE_FIELDS).");
   module.def("dtypes", &dtypes,
              "(name, max, tiny, headroom limit) of each dtype the kernels record (numguard.schema.DTYPES).");
+  numguard::bind_frame_recorder(module);
 }

@@ -226,13 +226,15 @@ def tensor_stats(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.numguard.tensor_stats.default(x)
 
 
-def multi_tensor_stats(xs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """float64[len(xs), 8]: the record of each tensor, all on one device. No host sync."""
+def multi_tensor_stats(xs: Sequence[torch.Tensor], checked: bool = False) -> torch.Tensor:
+    """float64[len(xs), 8]: the record of each tensor, all on one device. No host sync.
+    `checked`: the caller knows every item is a tensor and none is meta (numguard's weight table)."""
     xs = list(xs)
     if _native is None:
         check_same_device(xs)
         return _torch_ops.multi_tensor_stats(xs)
-    _check_for_native(xs)
+    if not checked:
+        _check_for_native(xs)
     if not xs:  # no tensor argument: the dispatcher could not pick a device
         return torch.empty((0, NUM_STATS), dtype=torch.float64)
     try:

@@ -19,6 +19,7 @@
 #include "numguard/host_checks.h"
 #include "numguard/stats_reduce.h"
 #include "reduce_kernels.h"
+#include "stats_ops.h"
 
 namespace numguard {
 namespace cpu {
@@ -224,6 +225,8 @@ at::Tensor multi_tensor_stats_cpu(at::TensorList xs) {
   return out;
 }
 
+}  // namespace
+
 void record_cpu(const at::Tensor& ring, const at::Tensor& state, at::TensorList xs, int64_t position,
                 double headroom) {
   check_ring_and_state(ring, state, at::kCPU, /*contiguous=*/false);
@@ -251,7 +254,6 @@ void record_cpu(const at::Tensor& ring, const at::Tensor& state, at::TensorList 
   }
 }
 
-}  // namespace
 }  // namespace cpu
 }  // namespace numguard
 

@@ -225,7 +225,7 @@ class Inspector(ModuleHooks):
         """What the inspector holds now (its memory stays bounded however long a job runs)."""
         ring = self._ring
         return Held([(f.owner.name, f.section, f.batch) for f in ring.frames], ring.size,
-                    len(self._weights.tables), len(ring.seen), len(self._handles))
+                    len(self._weights.tables), ring.remembered(), len(self._handles))
 
     def __enter__(self):
         return self
@@ -372,7 +372,7 @@ class Inspector(ModuleHooks):
         batch = self._batches_done
         self._batches_done += 1
         self._batch_open = False
-        self._ring.seen.clear()
+        self._ring.forget_seen()
         self._ring.pending_start = self._batches_done
         traced = batch in self.trace_batch_nums
         if traced:
@@ -391,7 +391,7 @@ class Inspector(ModuleHooks):
         """A watched module called outside the root's forward has returned: check now, or its NaN
         would wait for a root call that may never come."""
         self._batch_open = False
-        self._ring.seen.clear()
+        self._ring.forget_seen()
         self._guarded(self.check, f"{owner.name or '(root module)'} ({owner.cls}) returned outside the "
                                   "root's forward")
 
@@ -400,7 +400,7 @@ class Inspector(ModuleHooks):
         reported twice; otherwise a NaN recorded before the exception is reported now, as a
         warning (this rank only: the other ranks are not at a check), while the exception goes on."""
         self._batch_open = False
-        self._ring.seen.clear()
+        self._ring.forget_seen()
         if isinstance(exc, (NonFiniteError, AbortAfterBatch)):
             self._ring.reset_after_trip()
             return

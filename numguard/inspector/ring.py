@@ -37,46 +37,52 @@ def device_index(device):
     return device.index if device.index is not None else 0
 
 
-class FrameRing:
-    """The ring of stats records on the device and the frames (host metadata) that refer to it.
+class _PythonRecorder:
+    """What the native FrameRecorder (csrc/recorder.cpp) does, for the pure-torch backend: the
+    ring's position bookkeeping, the reuse of tensors already recorded this batch, one
+    ``record_`` per frame and the Frame appended to the ring's list."""
 
-    Positions grow without bound; a record lives at ``position % size``. Frames before `floor`
-    are not report context (a traced batch's frames); `last_check_frames` frames were confirmed
-    healthy by the last check. `on_drop(cut)` is told when the oldest frames are forgotten."""
-
-    def __init__(self, size, device, on_drop=None):
-        self.on_drop = on_drop
-        self.frames = []
-        self.frame_starts = []      # start position per frame (for bisect)
+    def __init__(self, ring):
+        self._ring = weakref.ref(ring)
         self.pos = 0
-        self.window_lo = 0          # oldest ring position a held frame refers to
-        self.seen = {}              # id(tensor) -> (weakref, version, position), this batch
-        self.floor = 0
-        self.last_check_frames = 0
-        self.pending_start = 0      # Transformers' "Starting batch number" lines go before the next frame
-        self.hf_calls = 0           # module frames recorded (Transformers' total_calls)
-        self._allocate(size, device)
+        self.window_lo = 0
+        self.hf_calls = 0
+        self.pending_start = 0
+        self._seen = {}  # id(tensor) -> (weakref, version, position), this batch
 
-    @outside_inference_mode
-    def _allocate(self, size, device):
-        self.device = device
-        self.device_index = device_index(device)
-        self.ring, _ = ops.new_ring(size, device)
-        self.size = size
-        self.state_buf = torch.tensor(_STATE_BUFFER, dtype=torch.int64, device=device)
-        self.state = self.state_buf[0:schema.STATE_SIZE]
+    def set_ring(self, ring, state):
+        """Nothing to do: the ring and state are read from the FrameRing at each record."""
 
-    def move_to(self, device):
-        """Start over on another device (the model moved after watch())."""
-        self._allocate(self.size, device)
-        self.drop_frames(len(self.frames))
+    def clear_seen(self):
+        self._seen.clear()
 
-    def record(self, owner, xs, labels, kinds, section, hf, weights, batch):
-        """Record a frame's tensors with one launch (tensors unchanged since an earlier frame of
-        the batch are not recorded again) and append its Frame. No host sync."""
+    def seen_count(self):
+        return len(self._seen)
+
+    def record_frame(self, owner, xs, labels, kinds, section, hf, weights, batch):
+        ring = self._ring()
+        flag = None
+        if weights and owner.flag is not None and owner.flag_batch != batch:
+            # The module's weight flag (NaN when one of its weights is non-finite), first call of the batch.
+            owner.flag_batch = batch
+            flag = owner.flag
         pos = self.pos
-        seen = self.seen
-        dev_index = self.device_index
+        dtypes, shapes, positions, n, lo = self._record(ring, xs, flag, pos, owner.headroom)
+        self.pos = pos + n
+        bstart = None
+        if hf:
+            self.hf_calls += 1
+            bstart = self.pending_start
+            self.pending_start = None
+        if not ring.frames or lo < self.window_lo:
+            self.window_lo = lo
+        ring.frames.append(Frame(owner, batch, pos, labels, kinds, dtypes, shapes, section, bstart,
+                                 n, weights and bool(owner.widx), hf, positions, lo))
+        ring.frame_starts.append(pos)
+
+    def _record(self, ring, xs, flag, pos, headroom):
+        seen = self._seen
+        dev_index = ring.device_index
         dtypes = []
         shapes = []
         positions = []
@@ -87,7 +93,7 @@ class FrameRing:
             dtype = x.dtype
             dtypes.append(dtype)
             try:
-                shapes.append(x.shape)
+                shapes.append(tuple(x.shape))
             except RuntimeError:  # nested tensors have no single shape
                 shapes.append(())
             hit = seen.get(id(x))
@@ -105,27 +111,24 @@ class FrameRing:
                     clean = False
         fresh = new
         if not clean:
-            new = self.sanitize(new)
-        if weights and owner.flag is not None and owner.flag_batch != batch:
-            # The module's weight flag (NaN when one of its weights is non-finite), first call of the batch.
-            owner.flag_batch = batch
+            new = ring.sanitize(new)
+        if flag is not None:
             positions.append(pos + len(new))
-            new.append(owner.flag)
+            new.append(flag)
         n = len(new)
         if n:
-            window = lo if not self.frames or lo < self.window_lo else self.window_lo
-            if pos + n - window > self.size:
-                self._grow(pos + n - window)
+            window = lo if not ring.frames or lo < self.window_lo else self.window_lo
+            if pos + n - window > ring.size:
+                ring._grow(pos + n - window)
             try:
-                ops.record_(self.ring, self.state, new, pos, owner.headroom)
+                ops.record_(ring.ring, ring.state, new, pos, headroom)
             except Exception:
                 if not clean or not any(x.is_meta or x.is_nested or local_shard(x) is not x for x in fresh):
                     raise
                 # The quick screen above passes what only the op can reject (meta, nested
                 # tensors, DTensors): record their values through sanitize instead of losing the frame.
-                new[:len(fresh)] = self.sanitize(fresh)
-                ops.record_(self.ring, self.state, new, pos, owner.headroom)
-            self.pos = pos + n
+                new[:len(fresh)] = ring.sanitize(fresh)
+                ops.record_(ring.ring, ring.state, new, pos, headroom)
             if len(seen) > _SEEN_LIMIT:
                 seen.clear()
             try:
@@ -133,16 +136,78 @@ class FrameRing:
                     seen[id(x)] = (weakref.ref(x), x._version, pos + i)
             except (RuntimeError, TypeError):  # inference tensors: no version counter, no reuse
                 pass
-        bstart = None
-        if hf:
-            self.hf_calls += 1
-            bstart = self.pending_start
-            self.pending_start = None
-        if not self.frames or lo < self.window_lo:
-            self.window_lo = lo
-        self.frames.append(Frame(owner, batch, pos, labels, kinds, dtypes, shapes, section, bstart,
-                                 n, weights and bool(owner.widx), hf, positions, lo))
-        self.frame_starts.append(pos)
+        return dtypes, shapes, positions, n, lo
+
+
+def _recorder_field(name, doc):
+    return property(lambda ring: getattr(ring._recorder, name),
+                    lambda ring, value: setattr(ring._recorder, name, value), doc=doc)
+
+
+class FrameRing:
+    """The ring of stats records on the device and the frames (host metadata) that refer to it.
+
+    Positions grow without bound; a record lives at ``position % size``. Frames before `floor`
+    are not report context (a traced batch's frames); `last_check_frames` frames were confirmed
+    healthy by the last check. `on_drop(cut)` is told when the oldest frames are forgotten.
+
+    ``record(owner, xs, labels, kinds, section, hf, weights, batch)`` records a frame's tensors with
+    one launch (tensors unchanged since an earlier frame of the batch are not recorded again) and
+    appends its Frame; no host sync. It is the recorder's own method (the native FrameRecorder
+    when the extension is loaded: no Python frame per watched module call)."""
+
+    pos = _recorder_field("pos", "Where the next record goes.")
+    window_lo = _recorder_field("window_lo", "The oldest ring position a held frame refers to.")
+    hf_calls = _recorder_field("hf_calls", "Module frames recorded (Transformers' total_calls).")
+    pending_start = _recorder_field("pending_start", "Transformers' 'Starting batch number' lines go before "
+                                                     "the next module frame (None: none pending).")
+
+    def __init__(self, size, device, on_drop=None):
+        self.on_drop = on_drop
+        self.frames = []
+        self.frame_starts = []      # start position per frame (for bisect)
+        self._recorder = None
+        self.floor = 0
+        self.last_check_frames = 0
+        self._allocate(size, device)
+        self.record = self._recorder.record_frame
+
+    @outside_inference_mode
+    def _allocate(self, size, device):
+        self.device = device
+        self.device_index = device_index(device)
+        self.ring, _ = ops.new_ring(size, device)
+        self.size = size
+        self.state_buf = torch.tensor(_STATE_BUFFER, dtype=torch.int64, device=device)
+        self.state = self.state_buf[0:schema.STATE_SIZE]
+        if self._recorder is None:
+            self._recorder = self._new_recorder()
+        else:
+            self._recorder.set_ring(self.ring, self.state)
+
+    def _new_recorder(self):
+        native = ops.native_module()
+        recorder = getattr(native, "FrameRecorder", None) if native is not None else None
+        if recorder is None:
+            return _PythonRecorder(self)
+        # Through a weak reference: the recorder must not keep its ring alive (no cycle the
+        # garbage collector could see through C++).
+        ring_ref = weakref.ref(self)
+        return recorder(self.ring, self.state, self.frames, self.frame_starts, Frame,
+                        lambda xs: ring_ref().sanitize(xs), lambda needed: ring_ref()._grow(needed), _SEEN_LIMIT)
+
+    def move_to(self, device):
+        """Start over on another device (the model moved after watch())."""
+        self._allocate(self.size, device)
+        self.drop_frames(len(self.frames))
+
+    def forget_seen(self):
+        """A new batch (or a reset): no tensor recorded so far is reused from now on."""
+        self._recorder.clear_seen()
+
+    def remembered(self):
+        """Tensors remembered for reuse now."""
+        return self._recorder.seen_count()
 
     def sanitize(self, xs):
         """Make a frame's tensors recordable, keeping every value that can hold a NaN: sparse,
@@ -187,7 +252,7 @@ class FrameRing:
             while cut < len(self.frames) and self.frames[cut].lowest < limit:
                 cut += 1
             self.drop_frames(cut)
-            self.seen.clear()
+            self.forget_seen()
             if new_size == size:
                 return
         ring = torch.zeros((new_size, old.shape[1]), dtype=old.dtype, device=old.device)
@@ -198,6 +263,7 @@ class FrameRing:
             ring.index_copy_(0, positions % new_size, old.index_select(0, positions % size))
         self.ring = ring
         self.size = new_size
+        self._recorder.set_ring(self.ring, self.state)
 
     def drop_frames(self, cut):
         """Forget the oldest `cut` frames."""
@@ -246,7 +312,7 @@ class FrameRing:
     @outside_inference_mode
     def reset_after_trip(self):
         """Untrip and forget every frame (records after a trip were not written: freeze on trip)."""
-        self.seen.clear()
+        self.forget_seen()
         ops.reset_state(self.state)
         self.state_buf[WEIGHT_HEADROOM].fill_(0)
         self.drop_frames(len(self.frames))

@@ -5,7 +5,6 @@ non-finite weight, exactly where Transformers would."""
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 
@@ -45,7 +44,7 @@ class WeightTable:
         self.headroom = headroom
         self.tables = {}
         self.layout = None
-        self._cache = None           # (parameter ids, layout, weakrefs to parameters, dtypes)
+        self._cache = None           # (parameter ids, layout, positions of the watched ones, dtypes, any DTensor)
         self.limits_inv = None       # 1 / dtype max per row (0 for wide dtypes), for headroom
 
     def _current_params(self):
@@ -69,18 +68,20 @@ class WeightTable:
         """Compute batch `batch`'s table (one launch) and the owners' weight flags. Every batch
         recomputes it: parameter version counters cannot be trusted to skip it, since writes
         through `.data` do not bump them. `move_to(device)` is called when the model moved."""
-        modules = [o.ref() for o in self.owners]
-        fingerprint = tuple([id(p) for m in modules if m is not None for p in m._parameters.values()])
+        current = [p for o in self.owners if (m := o.ref()) is not None for p in m._parameters.values()]
+        fingerprint = tuple(map(id, current))
         cache = self._cache
         unique = None
         if cache is not None and cache[0] == fingerprint and cache[1] is self.layout:
-            unique = [r() for r in cache[2]]
-            if any(p is None for p in unique) or tuple(p.dtype for p in unique) != cache[3]:
+            # The same parameter objects as last batch: pick the watched ones by position.
+            unique = [current[i] for i in cache[2]]
+            if [p.dtype for p in unique] != cache[3]:
                 unique = None
         if unique is None:
             unique = self._build_layout()
-            self._cache = (fingerprint, self.layout, [weakref.ref(p) for p in unique],
-                           tuple(p.dtype for p in unique))
+            index = {id(p): i for i, p in reversed(list(enumerate(current)))}
+            self._cache = (fingerprint, self.layout, [index[id(p)] for p in unique], [p.dtype for p in unique],
+                           any(local_shard(p) is not p for p in unique))
         layout = self.layout
         if not layout["tensors_n"]:
             return
@@ -91,8 +92,8 @@ class WeightTable:
             self._cache = None
             layout = self.layout
         with torch.no_grad():
-            tensors = [local_shard(p) for p in unique]
-            stats = ops.multi_tensor_stats(tensors) if layout["one_device"] else torch.cat(
+            tensors = [local_shard(p) for p in unique] if self._cache is None or self._cache[4] else unique
+            stats = ops.multi_tensor_stats(tensors, checked=True) if layout["one_device"] else torch.cat(
                 [ops.tensor_stats(p).to(ring.device).view(1, -1) for p in tensors])
         self.tables[batch] = (stats, layout)
         bad = (stats[:, schema.NAN] + stats[:, schema.POS_INF] + stats[:, schema.NEG_INF]) > 0

@@ -1,0 +1,272 @@
+// The host side of recording one frame: the fast path of numguard.inspector.ring.FrameRing.record.
+//
+// Per watched module call the Python side used to read half a dozen attributes of every tensor,
+// look each one up in a dict of tensors already recorded this batch, and go through Python's op
+// dispatch for the one record_ launch. Here that is one call: tensors are unpacked without
+// Python attribute reads, the reuse table is keyed by TensorImpl, and record_ is called through
+// the C++ dispatcher (same kernels, same device, still no host sync).
+#include <torch/extension.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <unordered_map>
+#include <vector>
+
+#include "cpu/stats_ops.h"
+#include "numguard/host_checks.h"
+
+namespace py = pybind11;
+
+namespace numguard {
+namespace {
+
+using RecordSignature = void(const at::Tensor&, const at::Tensor&, at::TensorList, int64_t, double);
+
+// A tensor already recorded this batch. The weak reference keeps the TensorImpl's memory (not its
+// data) from being reused while it is in the table, so a key that matches is the same tensor.
+struct SeenTensor {
+  c10::weak_intrusive_ptr<c10::TensorImpl> ref;
+  int64_t version;
+  int64_t position;
+};
+
+// Whether the record_ kernel takes `x` as it is; anything else goes through the Python side's
+// sanitize (other device, unrecordable dtype, sparse / nested / quantized, Python tensor
+// subclasses such as DTensor, meta).
+bool records_directly(const at::Tensor& x, const c10::Device& device) {
+  DtypeInfo info{};
+  if (!recordable_dtype(x.scalar_type(), &info)) return false;
+  if (x.layout() != at::kStrided || x.device() != device || x.is_nested()) return false;
+  return !x.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python);
+}
+
+py::tuple shape_of(const at::Tensor& x) {
+  if (x.is_nested()) return py::tuple();  // no single shape
+  const auto sizes = x.sym_sizes();
+  py::tuple out(sizes.size());
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    const auto& s = sizes[d];
+    out[d] = s.is_heap_allocated() ? py::int_(s.guard_int(__FILE__, __LINE__)) : py::int_(s.as_int_unchecked());
+  }
+  return out;
+}
+
+class FrameRecorder {
+ public:
+  FrameRecorder(at::Tensor ring, at::Tensor state, py::list frames, py::list frame_starts, py::object frame_type,
+                py::object sanitize, py::object grow, int64_t seen_limit)
+      : frames_(std::move(frames)),
+        frame_starts_(std::move(frame_starts)),
+        frame_type_(std::move(frame_type)),
+        sanitize_(std::move(sanitize)),
+        grow_(std::move(grow)),
+        seen_limit_(seen_limit) {
+    TORCH_CHECK(PyType_Check(frame_type_.ptr()) && PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(frame_type_.ptr()),
+                                                                     &PyTuple_Type),
+                "numguard: FrameRecorder needs a tuple type for its frames");
+    set_ring(std::move(ring), std::move(state));
+  }
+
+  // The ring's bookkeeping (numguard.inspector.ring.FrameRing reads and sets these).
+  int64_t pos = 0;           // where the next record goes
+  int64_t window_lo = 0;     // oldest ring position a held frame refers to
+  int64_t hf_calls = 0;      // module frames recorded (Transformers' total_calls)
+  py::object pending_start = py::int_(0);  // "Starting batch number" of the next module frame, or None
+
+  // Records one frame (see FrameRing.record) and appends its Frame to the frames list.
+  void record_frame(const py::handle& owner, const py::list& xs, const py::object& labels, const py::object& kinds,
+                    const py::object& section, bool hf, bool weights, int64_t batch) {
+    // Interned once and never released (no destructor running after the interpreter is gone).
+    static const py::handle kFlag = PyUnicode_InternFromString("flag");
+    static const py::handle kFlagBatch = PyUnicode_InternFromString("flag_batch");
+    static const py::handle kWidx = PyUnicode_InternFromString("widx");
+    static const py::handle kHeadroom = PyUnicode_InternFromString("headroom");
+    py::object flag = py::none();
+    bool with_weights = false;
+    if (weights) {
+      py::object owner_flag = owner.attr(kFlag);
+      if (!owner_flag.is_none() && owner.attr(kFlagBatch).cast<int64_t>() != batch) {
+        // The module's weight flag (NaN when one of its weights is non-finite), first call of the batch.
+        owner.attr(kFlagBatch) = py::int_(batch);
+        flag = owner_flag;
+      }
+      with_weights = PyObject_IsTrue(owner.attr(kWidx).ptr()) == 1;
+    }
+    const double headroom = owner.attr(kHeadroom).cast<double>();
+    const int64_t start = pos;
+    py::tuple got = record(xs, flag, start, headroom, window_lo, PyList_GET_SIZE(frames_.ptr()) > 0);
+    const int64_t n = got[3].cast<int64_t>();
+    const int64_t lo = got[4].cast<int64_t>();
+    pos = start + n;
+    py::object batch_start = py::none();
+    if (hf) {
+      ++hf_calls;
+      batch_start = pending_start;
+      pending_start = py::none();
+    }
+    // After record: a growth may have dropped frames and moved window_lo.
+    if (PyList_GET_SIZE(frames_.ptr()) == 0 || lo < window_lo) window_lo = lo;
+    PyObject* items[] = {owner.ptr(), py::int_(batch).release().ptr(), py::int_(start).release().ptr(),
+                         labels.ptr(), kinds.ptr(), got[0].ptr(), got[1].ptr(), section.ptr(),
+                         batch_start.ptr(), py::int_(n).release().ptr(), py::bool_(with_weights).release().ptr(),
+                         py::bool_(hf).release().ptr(), got[2].ptr(), py::int_(lo).release().ptr()};
+    constexpr Py_ssize_t kFields = sizeof(items) / sizeof(items[0]);
+    // Owned references for the borrowed ones; the released ones are already owned.
+    for (Py_ssize_t i : {0, 3, 4, 5, 6, 7, 8, 12}) Py_INCREF(items[i]);
+    auto* type = reinterpret_cast<PyTypeObject*>(frame_type_.ptr());
+    PyObject* frame = type->tp_alloc(type, kFields);
+    if (frame == nullptr) {
+      for (PyObject* item : items) Py_DECREF(item);
+      throw py::error_already_set();
+    }
+    for (Py_ssize_t i = 0; i < kFields; ++i) PyTuple_SET_ITEM(frame, i, items[i]);
+    py::object owned = py::reinterpret_steal<py::object>(frame);
+    frames_.append(owned);
+    frame_starts_.append(py::int_(start));
+  }
+
+  // The ring after a growth or a move (the Python side owns both tensors).
+  void set_ring(at::Tensor ring, at::Tensor state) {
+    ring_ = std::move(ring);
+    state_ = std::move(state);
+    device_ = ring_.device();
+    size_ = ring_.size(0);
+  }
+
+  void clear_seen() { seen_.clear(); }
+  int64_t seen_count() const { return static_cast<int64_t>(seen_.size()); }
+
+  // Records `xs` (tensors) and `flag` (a tensor or None) at ring position `pos`: tensors unchanged
+  // since an earlier frame of the batch are not recorded again. Returns (dtypes, shapes, positions,
+  // records written, lowest position referred to), the fields of the Frame the caller appends.
+  py::tuple record(const py::list& xs, const py::object& flag, int64_t pos, double headroom, int64_t window_lo,
+                   bool has_frames) {
+    const size_t count = xs.size();
+    py::list dtypes(count);
+    py::list shapes(count);
+    py::list positions(count);
+    std::vector<at::Tensor> fresh;
+    std::vector<size_t> fresh_index;  // index into xs of each fresh tensor
+    fresh.reserve(count + 1);
+    int64_t lo = pos;
+    bool clean = true;
+    for (size_t i = 0; i < count; ++i) {
+      PyObject* obj = PyList_GET_ITEM(xs.ptr(), i);
+      if (!THPVariable_Check(obj)) throw py::type_error(c10::str("numguard: xs[", i, "] is not a tensor"));
+      const at::Tensor& x = THPVariable_Unpack(obj);
+      PyList_SET_ITEM(dtypes.ptr(), i, py::reinterpret_borrow<py::object>(
+          reinterpret_cast<PyObject*>(torch::getTHPDtype(x.scalar_type()))).release().ptr());
+      PyList_SET_ITEM(shapes.ptr(), i, shape_of(x).release().ptr());
+      c10::TensorImpl* impl = x.unsafeGetTensorImpl();
+      int64_t at = -1;
+      if (!impl->is_inference()) {
+        auto hit = seen_.find(impl);
+        if (hit != seen_.end() && !hit->second.ref.expired() &&
+            hit->second.version == static_cast<int64_t>(impl->version_counter().current_version())) {
+          at = hit->second.position;
+          if (at < lo) lo = at;
+        }
+      }
+      if (at < 0) {
+        at = pos + static_cast<int64_t>(fresh.size());
+        fresh.push_back(x);
+        fresh_index.push_back(i);
+        if (clean && !records_directly(x, device_)) clean = false;
+      }
+      PyList_SET_ITEM(positions.ptr(), i, PyLong_FromLongLong(at));
+    }
+    std::vector<at::Tensor> batch = clean ? fresh : sanitized(xs, fresh_index);
+    if (!flag.is_none()) {
+      if (!THPVariable_Check(flag.ptr())) throw py::type_error("numguard: flag must be a tensor or None");
+      positions.append(pos + static_cast<int64_t>(batch.size()));
+      batch.push_back(THPVariable_Unpack(flag.ptr()));
+    }
+    const int64_t n = static_cast<int64_t>(batch.size());
+    if (n > 0) {
+      const int64_t window = (!has_frames || lo < window_lo) ? lo : window_lo;
+      if (pos + n - window > size_) grow_(pos + n - window);  // calls set_ring
+      try {
+        launch(batch, pos, headroom);
+      } catch (const std::exception&) {
+        if (!clean || !any_needs_values(fresh)) throw;
+        // What only the op can reject (e.g. meta tensors on the ring's device) is recorded through
+        // sanitize instead of losing the frame.
+        std::vector<at::Tensor> again = sanitized(xs, fresh_index);
+        std::copy(again.begin(), again.end(), batch.begin());
+        launch(batch, pos, headroom);
+      }
+      if (static_cast<int64_t>(seen_.size()) > seen_limit_) seen_.clear();
+      for (size_t j = 0; j < fresh.size(); ++j) {
+        c10::TensorImpl* impl = fresh[j].unsafeGetTensorImpl();
+        if (impl->is_inference()) continue;  // no version counter: never reused
+        seen_.insert_or_assign(impl, SeenTensor{c10::weak_intrusive_ptr<c10::TensorImpl>(fresh[j].getIntrusivePtr()),
+                                                static_cast<int64_t>(impl->version_counter().current_version()),
+                                                pos + static_cast<int64_t>(j)});
+      }
+    }
+    return py::make_tuple(dtypes, shapes, positions, n, lo);
+  }
+
+ private:
+  void launch(const std::vector<at::Tensor>& batch, int64_t pos, double headroom) {
+    if (device_.is_cpu()) {
+      cpu::record_cpu(ring_, state_, batch, pos, headroom);
+      return;
+    }
+    static const auto op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("numguard::record_", "").typed<RecordSignature>();
+    op.call(ring_, state_, batch, pos, headroom);
+  }
+
+  static bool any_needs_values(const std::vector<at::Tensor>& xs) {
+    for (const auto& x : xs) {
+      if (x.is_meta() || x.is_nested() || x.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python)) return true;
+    }
+    return false;
+  }
+
+  std::vector<at::Tensor> sanitized(const py::list& xs, const std::vector<size_t>& index) {
+    py::list originals(index.size());
+    for (size_t j = 0; j < index.size(); ++j) originals[j] = xs[index[j]];
+    py::object out = sanitize_(originals);
+    std::vector<at::Tensor> tensors;
+    tensors.reserve(index.size() + 1);
+    for (py::handle t : out) tensors.push_back(THPVariable_Unpack(t.ptr()));
+    return tensors;
+  }
+
+  py::list frames_;
+  py::list frame_starts_;
+  py::object frame_type_;
+  at::Tensor ring_;
+  at::Tensor state_;
+  c10::Device device_{at::kCPU};
+  int64_t size_ = 0;
+  py::object sanitize_;
+  py::object grow_;
+  int64_t seen_limit_;
+  std::unordered_map<c10::TensorImpl*, SeenTensor> seen_;
+};
+
+}  // namespace
+
+void bind_frame_recorder(py::module& module) {
+  py::class_<FrameRecorder>(module, "FrameRecorder",
+                            "The fast path of numguard.inspector.ring.FrameRing.record (see csrc/recorder.cpp).")
+      .def(py::init<at::Tensor, at::Tensor, py::list, py::list, py::object, py::object, py::object, int64_t>(),
+           py::arg("ring"), py::arg("state"), py::arg("frames"), py::arg("frame_starts"), py::arg("frame_type"),
+           py::arg("sanitize"), py::arg("grow"), py::arg("seen_limit"))
+      .def_readwrite("pos", &FrameRecorder::pos)
+      .def_readwrite("window_lo", &FrameRecorder::window_lo)
+      .def_readwrite("hf_calls", &FrameRecorder::hf_calls)
+      .def_readwrite("pending_start", &FrameRecorder::pending_start)
+      .def("record_frame", &FrameRecorder::record_frame)
+      .def("set_ring", &FrameRecorder::set_ring)
+      .def("clear_seen", &FrameRecorder::clear_seen)
+      .def("seen_count", &FrameRecorder::seen_count)
+      .def("record", &FrameRecorder::record);
+}
+
+}  // namespace numguard
