@@ -2,8 +2,9 @@
 
 Conditions (interleaved round-robin, medians): no hooks / numguard.watch (sync check) / numguard
 check="async" / numguard check_every=10 / numguard backward=True (training only, when available)
-/ numguard ops=True (training only) / Transformers' DebugUnderflowOverflow / torch.autograd.detect_anomaly. Models: random-init GPT-2
-(~1M and ~14M parameters) and T5 (~13M), CPU, one thread. Steps: forward only (no_grad) and
+/ numguard ops=True (training only) / Transformers' DebugUnderflowOverflow / torch.autograd.detect_anomaly. Models: a stack of 200
+Linear(4, 4) (host cost per module call), random-init GPT-2 (~1M and ~14M parameters) and T5 (~13M),
+CPU, one thread. Steps: forward only (no_grad) and
 forward + backward + AdamW.
 
     python benchmarks/bench_hooks.py [--reps 7] [--steps 3] [--models gpt2-1m,gpt2-14m,t5-13m]
@@ -51,7 +52,20 @@ def t5(d_model, d_ff, layers, heads, vocab, seq, batch):
     return model, (lambda m: m(input_ids=ids, labels=ids)), (lambda m: m(input_ids=ids, labels=ids))
 
 
+class _Loss:
+    def __init__(self, loss):
+        self.loss = loss
+
+
+def linear_stack(n, width, batch):
+    """n x Linear(width, width): tiny tensors, so the host time per watched module call is all there is."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(n)])
+    x = torch.randn(batch, width)
+    return model, (lambda m: _Loss(m(x).square().mean())), (lambda m: m(x))
+
+
 MODELS = {
+    "stack-200": lambda: linear_stack(200, 4, 2),
     "gpt2-1m": lambda: gpt2(128, 4, 4, 1024, 64, 4),
     "gpt2-14m": lambda: gpt2(384, 6, 6, 8192, 128, 4),
     "t5-13m": lambda: t5(256, 1024, 6, 4, 8000, 64, 4),

@@ -42,6 +42,50 @@ bool records_directly(const at::Tensor& x, const c10::Device& device) {
   return !x.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python);
 }
 
+// The dtypes and shapes of an owner's last frame: a module called with the same structure again
+// (the usual case) shares the same tuples instead of building new ones per call.
+struct FrameMeta {
+  py::object owner;  // keeps the key alive
+  std::vector<at::ScalarType> types;
+  std::vector<int64_t> sizes;  // per tensor: its dim, then its sizes
+  py::tuple dtypes;
+  py::tuple shapes;
+
+  bool matches(const std::vector<const at::Tensor*>& xs) const {
+    if (xs.size() != types.size()) return false;
+    size_t k = 0;
+    for (size_t i = 0; i < xs.size(); ++i) {
+      const at::Tensor& x = *xs[i];
+      if (x.scalar_type() != types[i] || x.is_nested()) return false;
+      const auto dims = x.sym_sizes();
+      if (k >= sizes.size() || sizes[k] != static_cast<int64_t>(dims.size())) return false;
+      ++k;
+      for (const auto& d : dims) {
+        if (d.is_heap_allocated() || k >= sizes.size() || sizes[k] != d.as_int_unchecked()) return false;
+        ++k;
+      }
+    }
+    return k == sizes.size();
+  }
+
+  void remember(const std::vector<const at::Tensor*>& xs) {
+    types.clear();
+    sizes.clear();
+    for (const at::Tensor* x : xs) {
+      types.push_back(x->scalar_type());
+      if (x->is_nested()) {
+        sizes.push_back(-1);  // never matches: a nested tensor has no single shape
+        continue;
+      }
+      const auto dims = x->sym_sizes();
+      sizes.push_back(static_cast<int64_t>(dims.size()));
+      for (const auto& d : dims) sizes.push_back(d.is_heap_allocated() ? -1 : d.as_int_unchecked());
+    }
+  }
+};
+
+constexpr size_t kMetaLimit = 4096;  // owners whose last frame's metadata is kept
+
 py::tuple shape_of(const at::Tensor& x) {
   if (x.is_nested()) return py::tuple();  // no single shape
   const auto sizes = x.sym_sizes();
@@ -96,7 +140,7 @@ class FrameRecorder {
     }
     const double headroom = owner.attr(kHeadroom).cast<double>();
     const int64_t start = pos;
-    py::tuple got = record(xs, flag, start, headroom, window_lo, PyList_GET_SIZE(frames_.ptr()) > 0);
+    py::tuple got = record(xs, flag, start, headroom, window_lo, PyList_GET_SIZE(frames_.ptr()) > 0, owner);
     const int64_t n = got[3].cast<int64_t>();
     const int64_t lo = got[4].cast<int64_t>();
     pos = start + n;
@@ -142,11 +186,11 @@ class FrameRecorder {
   // since an earlier frame of the batch are not recorded again. Returns (dtypes, shapes, positions,
   // records written, lowest position referred to), the fields of the Frame the caller appends.
   py::tuple record(const py::list& xs, const py::object& flag, int64_t pos, double headroom, int64_t window_lo,
-                   bool has_frames) {
+                   bool has_frames, const py::handle& owner = py::handle()) {
     const size_t count = xs.size();
-    py::list dtypes(count);
-    py::list shapes(count);
-    py::list positions(count);
+    std::vector<const at::Tensor*> tensors(count);
+    std::vector<int64_t> at_positions;
+    at_positions.reserve(count + 1);
     std::vector<at::Tensor> fresh;
     std::vector<size_t> fresh_index;  // index into xs of each fresh tensor
     fresh.reserve(count + 1);
@@ -156,9 +200,7 @@ class FrameRecorder {
       PyObject* obj = PyList_GET_ITEM(xs.ptr(), i);
       if (!THPVariable_Check(obj)) throw py::type_error(c10::str("numguard: xs[", i, "] is not a tensor"));
       const at::Tensor& x = THPVariable_Unpack(obj);
-      PyList_SET_ITEM(dtypes.ptr(), i, py::reinterpret_borrow<py::object>(
-          reinterpret_cast<PyObject*>(torch::getTHPDtype(x.scalar_type()))).release().ptr());
-      PyList_SET_ITEM(shapes.ptr(), i, shape_of(x).release().ptr());
+      tensors[i] = &x;
       c10::TensorImpl* impl = x.unsafeGetTensorImpl();
       int64_t at = -1;
       if (!impl->is_inference()) {
@@ -175,12 +217,14 @@ class FrameRecorder {
         fresh_index.push_back(i);
         if (clean && !records_directly(x, device_)) clean = false;
       }
-      PyList_SET_ITEM(positions.ptr(), i, PyLong_FromLongLong(at));
+      at_positions.push_back(at);
     }
+    py::tuple dtypes, shapes;
+    describe(owner, tensors, &dtypes, &shapes);
     std::vector<at::Tensor> batch = clean ? fresh : sanitized(xs, fresh_index);
     if (!flag.is_none()) {
       if (!THPVariable_Check(flag.ptr())) throw py::type_error("numguard: flag must be a tensor or None");
-      positions.append(pos + static_cast<int64_t>(batch.size()));
+      at_positions.push_back(pos + static_cast<int64_t>(batch.size()));
       batch.push_back(THPVariable_Unpack(flag.ptr()));
     }
     const int64_t n = static_cast<int64_t>(batch.size());
@@ -206,7 +250,46 @@ class FrameRecorder {
                                                 pos + static_cast<int64_t>(j)});
       }
     }
+    py::tuple positions(at_positions.size());
+    for (size_t i = 0; i < at_positions.size(); ++i) {
+      PyTuple_SET_ITEM(positions.ptr(), i, PyLong_FromLongLong(at_positions[i]));
+    }
     return py::make_tuple(dtypes, shapes, positions, n, lo);
+  }
+
+  // The dtypes and shapes tuples of a frame: the owner's previous ones when they still hold.
+  void describe(const py::handle& owner, const std::vector<const at::Tensor*>& tensors, py::tuple* dtypes,
+                py::tuple* shapes) {
+    FrameMeta* meta = nullptr;
+    if (owner.ptr() != nullptr) {
+      auto found = meta_.find(owner.ptr());
+      if (found != meta_.end()) {
+        meta = &found->second;
+        if (meta->matches(tensors)) {
+          *dtypes = meta->dtypes;
+          *shapes = meta->shapes;
+          return;
+        }
+      }
+    }
+    py::tuple d(tensors.size());
+    py::tuple sh(tensors.size());
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      PyTuple_SET_ITEM(d.ptr(), i, py::reinterpret_borrow<py::object>(
+          reinterpret_cast<PyObject*>(torch::getTHPDtype(tensors[i]->scalar_type()))).release().ptr());
+      PyTuple_SET_ITEM(sh.ptr(), i, shape_of(*tensors[i]).release().ptr());
+    }
+    *dtypes = d;
+    *shapes = sh;
+    if (owner.ptr() == nullptr) return;
+    if (meta == nullptr) {
+      if (meta_.size() >= kMetaLimit) meta_.clear();
+      meta = &meta_[owner.ptr()];
+      meta->owner = py::reinterpret_borrow<py::object>(owner);
+    }
+    meta->remember(tensors);
+    meta->dtypes = d;
+    meta->shapes = sh;
   }
 
  private:
@@ -248,6 +331,7 @@ class FrameRecorder {
   py::object grow_;
   int64_t seen_limit_;
   std::unordered_map<c10::TensorImpl*, SeenTensor> seen_;
+  std::unordered_map<PyObject*, FrameMeta> meta_;  // by owner
 };
 
 }  // namespace

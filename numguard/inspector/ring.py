@@ -136,7 +136,7 @@ class _PythonRecorder:
                     seen[id(x)] = (weakref.ref(x), x._version, pos + i)
             except (RuntimeError, TypeError):  # inference tensors: no version counter, no reuse
                 pass
-        return dtypes, shapes, positions, n, lo
+        return tuple(dtypes), tuple(shapes), tuple(positions), n, lo
 
 
 def _recorder_field(name, doc):
