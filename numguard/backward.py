@@ -130,6 +130,7 @@ class BackwardWatcher:
         self.recorded_since_check = False
         self.steps_seen = 0              # optimizer steps (of this model's optimizers) seen
         self._step_start = None          # the inspector's record position at this step's 1st gradient
+        self.last_scaler = None          # weak reference to the GradScaler stepping this model, if any
         self._model_ref = weakref.ref(model)
         self._root_name = inspector.module_names.get(model, "")
         self._root_class = type(model).__name__
@@ -321,6 +322,9 @@ def _optimizer_pre_hook(optimizer, args, kwargs):
 
 def _scaler_step(scaler, optimizer, *args, **kwargs):
     before = _steps_taken
+    for watcher in _live_watchers():  # the loss scale of the gradients seen (precision advice)
+        if watcher.last_scaler is None or watcher.last_scaler() is not scaler:
+            watcher.last_scaler = weakref.ref(scaler)
     result = _original_scaler_step(scaler, optimizer, *args, **kwargs)
     if _steps_taken == before and scaler.is_enabled():
         for watcher in _live_watchers():

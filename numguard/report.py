@@ -130,6 +130,8 @@ def headroom_lines(frames, limit: int = 5) -> list[str]:
     """The low-precision tensors of `frames` closest to their dtype's max, closest first."""
     rows = []
     for f in frames:
+        if f.get("op"):  # operation frames hold the module frames' tensors again: not repeated here
+            continue
         for label, kind, record, dtype in zip(f["labels"], f["kinds"], f["records"], f["dtypes"]):
             dmax = DTYPE_MAX.get(dtype)
             if kind != KIND_TENSOR or dmax is None or record is None:

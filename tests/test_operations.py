@@ -245,3 +245,19 @@ def test_a_minus_inf_mask_up_to_the_softmax_is_not_a_trip():
         ops = [f for f in insp.held().frames if f[1] == "operations"]
     assert torch.isfinite(out).all() and insp.trips == 0
     assert len(ops) >= 2   # the Linear's addmm and the softmax are still recorded
+
+
+def test_an_operation_trip_names_its_pass_and_headroom_lists_no_operation_frames():
+    torch.manual_seed(0)
+    model = Stack()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.proj.weight.fill_(0.5)
+            block.proj.bias.zero_()
+    insp, err = _trip(model, torch.full((2, 4), 1.0))
+    assert insp.last_report["section"] == "forward"
+    line = next(l for l in err.report.splitlines() if l.startswith("numguard: first non-finite value"))
+    assert line.startswith("numguard: first non-finite value in blocks.0.act (Fp16Exp) output, forward pass,")
+    # Only operation frames held float16 tensors here: they are not listed (they repeat the
+    # module frames' tensors), so there is no headroom section at all.
+    assert "Headroom (" not in err.report

@@ -23,6 +23,7 @@ from . import frames as _frames
 from .checks import FlagReader
 from .hooks import ModuleHooks, active
 from .options import STDOUT, WatchOptions
+from .history import ModuleHistory
 from .operations import OperationRecorder
 from .ring import FrameRing
 from .trips import Reporter
@@ -116,6 +117,7 @@ class Inspector(ModuleHooks):
         self._thread = None
         self._backward_watch = None
         self._ops = None
+        self._history = None              # per-module device history for advice() (numguard.inspector.history)
         self._registered = []             # weak refs of the modules counted in _watched
         self._ring = FrameRing(max(64, 8 * opts.max_frames_to_save), _model_device(model),
                                on_drop=self._frames_dropped)
@@ -131,6 +133,8 @@ class Inspector(ModuleHooks):
                 self._registered.append(weakref.ref(module))
             if opts.backward:
                 self._watch_gradients(model)
+            self._history = ModuleHistory(self._owners, self._ring.device)
+            self._reporter.annotate = self._annotate_report
         except BaseException:
             self.close(check=False)  # a watch() that fails leaves no hook behind
             raise
@@ -362,6 +366,8 @@ class Inspector(ModuleHooks):
         self._ring.move_to(device)
         self._reader.device_moved()
         self._weights.forget()
+        if self._history is not None:
+            self._history.move_to(device)
 
     def _frames_dropped(self, cut):
         self._reader.frames_dropped(cut)
@@ -419,6 +425,8 @@ class Inspector(ModuleHooks):
                 host_ring = self._ring.host_copy()
             self._reporter.handle_trip(status, host_ring, on_report=self._trip_reported)
         else:
+            if self._history is not None:
+                self._guarded(self._fold_history, status.boundary)
             self._ring.keep_context(status.boundary, self.options.max_frames_to_save)
 
     def _guarded(self, fn, *args):
@@ -434,6 +442,39 @@ class Inspector(ModuleHooks):
             self._warn_once(("internal", fn.__name__),
                             f"numguard: {name} failed ({type(exc).__name__}: {exc}); training goes on")
             return None
+
+    # -- precision advice (numguard.inspector.history, numguard.advice) --------------------------
+    def advice(self):
+        """Precision advice from the last batches' history (numguard.advice.Advice; print it for
+        the table): worst first, the modules that will overflow float16, those whose gradients
+        underflow it at the current loss scale (GradScaler's, when backward=True saw one; else 1,
+        assumed), the loss-scale range that keeps every gradient in range, and the modules to keep
+        in float32 / bfloat16 under autocast. One device->host copy of the history."""
+        from .. import advice as _advice
+
+        return _advice.advise(self.history())
+
+    def history(self) -> dict:
+        """The per-module history as plain data (the "history" field of a dump)."""
+        if self._history is None:
+            return {"window": 0, "batches": [], "modules": []}
+        data = self._history.to_dict()
+        scale, source = None, "assumed"
+        scaler = getattr(self._backward_watch, "last_scaler", None)
+        scaler = scaler() if scaler is not None else None
+        if scaler is not None and scaler.is_enabled():
+            scale, source = float(scaler.get_scale()), "GradScaler"
+        data["loss_scale"], data["loss_scale_source"] = scale, source
+        return data
+
+    def _fold_history(self, boundary):
+        frames = self._ring.frames
+        self._history.fold(frames[self._ring.last_check_frames:boundary], self._ring)
+
+    def _annotate_report(self, report, offender):
+        """Fields added to a trip's report before it is rendered: the module history."""
+        if self._history is not None:
+            report["history"] = self.history()
 
     # -- what a subclass may change --------------------------------------------------------------
     def _trip_reported(self, report, frames_after):

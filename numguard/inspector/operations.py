@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 from . import frames as _frames
 
 SECTION = "operations"
+BACKWARD_SECTION = "backward operations"
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _NUMGUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _FLOATING = frozenset(d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16,

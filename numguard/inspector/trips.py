@@ -33,6 +33,16 @@ def _operation_summary(frame):
             "output_abs_max": bad_out[0] if bad_out else (max(outputs) if outputs else None)}
 
 
+def _pass_of(section):
+    """The pass a frame's section belongs to: operation frames are frames of the forward (or
+    backward) pass, and the report says so rather than "operations pass"."""
+    if section == _operations.SECTION:
+        return "forward"
+    if section == _operations.BACKWARD_SECTION:
+        return "backward"
+    return section
+
+
 class Reporter:
     """Turns a tripped state into a report and the configured action. Owns nothing on the device:
     it reads the FrameRing and the WeightTable it is given."""
@@ -47,6 +57,7 @@ class Reporter:
         self.last_report = None
         self.trip_message = None          # the NonFiniteError text, when the caller wants its own
         self.step_counter = None          # (label, read): a framework's step, shown next to the batch
+        self.annotate = None              # annotate(report, offender index): adds fields before rendering
 
     # -- report dictionaries ---------------------------------------------------------------------
     def frame_record(self, f, host_ring, tables, valid_end):
@@ -132,7 +143,7 @@ class Reporter:
             "batch_number": hf_batch, "batch": batch, "found_at_batch": found_at,
             "check": self.options.check, "check_every": self.options.check_every, "where": self.reader.where,
             "rank": checks.rank(), "ranks": [],
-            "module": off.owner.name, "class": off.owner.cls, "labels": bad, "section": section,
+            "module": off.owner.name, "class": off.owner.cls, "labels": bad, "section": _pass_of(section),
             "max_frames_to_save": max_frames, "headroom": self.options.headroom,
             "backend": ops.backend(), "frames": out_frames,
         }
@@ -163,6 +174,12 @@ class Reporter:
                     module = report["module"]
                     labels = report["labels"]
                     batch = report["batch"]
+                    if self.annotate is not None:
+                        try:
+                            self.annotate(report, offender)
+                        except Exception as exc:  # extra fields never hide the trip
+                            warnings.warn(f"numguard: could not add the history/replay to the report "
+                                          f"({type(exc).__name__}: {exc})", InspectorWarning, stacklevel=5)
                     if on_report is not None:
                         on_report(report, sum(1 for f in self.ring.frames[offender + 1:] if f.hf))
             else:
