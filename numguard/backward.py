@@ -47,6 +47,7 @@ _watchers = []  # weak references
 _lock = threading.Lock()
 _optimizer_hook = None
 _original_scaler_step = None
+_original_autograd_backward = None   # torch.autograd.backward, wrapped while a watcher records operations
 _steps_taken = 0  # optimizer steps that actually ran (the pre-hook fired), process-wide
 
 
@@ -332,14 +333,32 @@ def _scaler_step(scaler, optimizer, *args, **kwargs):
     return result
 
 
+def _autograd_backward(*args, **kwargs):
+    # With ops=True, the backward's operations are recorded too: the dispatch mode must be active
+    # when the backward starts (autograd hands it to the threads that run the backward).
+    entered = []
+    for watcher in _live_watchers():
+        inspector = watcher.inspector
+        if not watcher.closed and getattr(inspector, "ops", False) and inspector.backward_ops_start():
+            entered.append(inspector)
+    try:
+        return _original_autograd_backward(*args, **kwargs)
+    finally:
+        for inspector in reversed(entered):
+            inspector.backward_ops_stop()
+
+
 def _live_watchers():
     return [watcher for watcher in (ref() for ref in list(_watchers)) if watcher is not None]
 
 
 def _register(watcher):
-    global _optimizer_hook, _original_scaler_step
+    global _optimizer_hook, _original_scaler_step, _original_autograd_backward
     with _lock:
         _watchers.append(weakref.ref(watcher))
+        if getattr(watcher.inspector, "ops", False) and _original_autograd_backward is None:
+            _original_autograd_backward = torch.autograd.backward
+            torch.autograd.backward = _autograd_backward
         if _optimizer_hook is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -351,7 +370,7 @@ def _register(watcher):
 
 
 def _unregister(watcher):
-    global _optimizer_hook, _original_scaler_step
+    global _optimizer_hook, _original_scaler_step, _original_autograd_backward
     with _lock:
         _watchers[:] = [ref for ref in _watchers if ref() is not None and ref() is not watcher]
         if not _watchers:
@@ -361,3 +380,6 @@ def _unregister(watcher):
             if _original_scaler_step is not None:
                 torch.amp.GradScaler.step = _original_scaler_step
                 _original_scaler_step = None
+            if _original_autograd_backward is not None:
+                torch.autograd.backward = _original_autograd_backward
+                _original_autograd_backward = None

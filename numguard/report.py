@@ -75,7 +75,7 @@ def frame_text(frame: dict, extras: bool = True) -> str:
         lines.extend(batch_start_lines(frame["batch_start"]))
     header = f"{PREFIX} {frame['name']} {frame['class']}"
     if frame.get("op"):  # an operation frame (watch(ops=True)): the op and its call site
-        header += f" {frame['op']}" + (f" at {frame['site']}" if frame.get("site") else "")
+        header += f" {frame['op']}" + op_where(frame)
     lines.append(header)
     extra_flags = frame.get("extra") or [False] * len(frame["labels"])
     for label, kind, record, extra in zip(frame["labels"], frame["kinds"], frame["records"], extra_flags):
@@ -83,6 +83,16 @@ def frame_text(frame: dict, extras: bool = True) -> str:
             continue
         lines.append(value_line(kind, record, label))
     return "\n".join(lines)
+
+
+def op_where(op: dict) -> str:
+    """' at file.py:12' for a forward operation; for a backward one, the autograd node that ran it
+    and the call site of the forward operation that made that node."""
+    site = op.get("site")
+    backward_of = op.get("backward_of")
+    if backward_of:
+        return f" in the backward of {backward_of}" + (f" (forward at {site})" if site else "")
+    return f" at {site}" if site else ""
 
 
 def detected_lines(frame: dict) -> list[str]:
@@ -200,7 +210,7 @@ def summary_lines(report: dict) -> list[str]:
     operation = report.get("operation")
     if isinstance(operation, dict):  # unknown fields of an older or foreign dump are ignored
         name = module if module else "(root module)"
-        site = f" at {operation['site']}" if operation.get("site") else ""
+        site = op_where(operation)
         values = []
         for key, text in (("input_abs_max", "input abs max"), ("output_abs_max", "output")):
             value = operation.get(key)

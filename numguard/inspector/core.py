@@ -127,6 +127,7 @@ class Inspector(ModuleHooks):
         try:
             if opts.ops:
                 self._ops = OperationRecorder(self)
+                self._ops.tag_nodes = opts.backward   # name backward operations by forward module
             self._install_hooks(model)
             for module in self._module_names.keys():
                 _watched[module] = _watched.get(module, 0) + 1
@@ -286,7 +287,15 @@ class Inspector(ModuleHooks):
         if owner is None:
             owner = self._named[key] = _frames.Owner(-1, module_name, class_name, headroom=self.options.headroom)
         xs, kinds = _frames.flatten_values(values)
-        self._ring.record(owner, xs, list(labels), kinds, section, False, False, self._batch_index())
+        ops = self._ops
+        if ops is None:
+            self._ring.record(owner, xs, list(labels), kinds, section, False, False, self._batch_index())
+            return
+        ops.paused += 1  # numguard's own recording (e.g. a gradient tap in the backward) is no operation
+        try:
+            self._ring.record(owner, xs, list(labels), kinds, section, False, False, self._batch_index())
+        finally:
+            ops.paused -= 1
 
     def check(self, where: str = "batch end") -> None:
         """Look at the trip flag now (check="sync": one tiny device->host read; "async": read the
@@ -329,6 +338,20 @@ class Inspector(ModuleHooks):
             self.check_now(where)
         else:
             self._ring.reset_after_trip()
+
+    def backward_ops_start(self) -> bool:
+        """Enter operation mode for a backward (numguard.backward, with ops=True); whether it did."""
+        if self._ops is None or self._closed:
+            return False
+        try:
+            return self._ops.start_backward()
+        except Exception as exc:
+            self._ops_failed(exc)
+            return False
+
+    def backward_ops_stop(self) -> None:
+        """Leave operation mode after a backward that backward_ops_start entered."""
+        self._ops_call("stop")
 
     def _watch_gradients(self, model):
         try:

@@ -28,7 +28,7 @@ def _operation_summary(frame):
         shown = _report.shown_abs_min_max(record)[1]
         (inputs if label.startswith("input") else outputs).append(shown)
     bad_out = [v for v in outputs if v != v or v == float("inf")]
-    return {"op": frame["op"], "site": frame["site"],
+    return {"op": frame["op"], "site": frame["site"], "backward_of": frame.get("backward_of"),
             "input_abs_max": max(inputs, key=lambda v: (v != v, v)) if inputs else None,
             "output_abs_max": bad_out[0] if bad_out else (max(outputs) if outputs else None)}
 
@@ -102,6 +102,8 @@ class Reporter:
         if op is not None:  # an operation frame (ops=True)
             out["op"] = op
             out["site"] = owner.site
+            if owner.backward_of is not None:
+                out["backward_of"] = owner.backward_of
         return out
 
     def build_report(self, offender, host_ring, found_at=None) -> dict:
@@ -116,7 +118,8 @@ class Reporter:
             count = 0
             j = offender
             # Operation frames: the offender and the few just before it.
-            limit = min(max_frames, OPERATION_FRAMES) if want == _operations.SECTION else max_frames
+            limit = (min(max_frames, OPERATION_FRAMES)
+                     if want in (_operations.SECTION, _operations.BACKWARD_SECTION) else max_frames)
             while j >= floor and count < limit:
                 f = frames[j]
                 if f.section == want:
@@ -208,8 +211,7 @@ class Reporter:
             on_rank = f" on rank {rank}" if rank is not None else ""
             step_text = f" ({step[0]}={step[1]})" if step is not None else ""
             operation = report.get("operation")
-            op_text = (f" by operation {operation['op']}" + (f" at {operation['site']}" if operation["site"] else "")
-                       if operation else "")
+            op_text = f" by operation {operation['op']}{_report.op_where(operation)}" if operation else ""
             msg = (f"numguard: inf/nan detected{on_rank} during batch_number={report['batch']}{step_text} in "
                    f"{module if module else '(root module)'} ({report['class']}) "
                    f"[{', '.join(labels)}]{op_text}; the report above shows the frames that led to it")
