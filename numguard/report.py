@@ -195,6 +195,22 @@ def render(report: dict, extras: bool = True) -> str:
     return text + "\n\n\n"
 
 
+def replay_lines(replay) -> list[str]:
+    """What watch(replay=True)'s re-run of the first bad module found (numguard.inspector.replay)."""
+    if not isinstance(replay, dict):
+        return []
+    module = f"{replay.get('module') or '(root module)'} ({replay.get('class', '')})"
+    if replay.get("reproduced"):
+        site = f" at {replay['site']}" if replay.get("site") else ""
+        return [f"numguard: replay of {module} on its last inputs (grad off, random state restored): first "
+                f"non-finite operation: {replay.get('op')} in {replay.get('op_module') or '(root module)'} "
+                f"({replay.get('op_class', '')}){site}"]
+    reason = replay.get("reason") or "no reason given"
+    if "did not reproduce" in reason:
+        return [f"numguard: replay of {module} did NOT reproduce the non-finite value: {reason}"]
+    return [f"numguard: could not replay {module}: {reason}"]
+
+
 def summary_lines(report: dict) -> list[str]:
     """numguard's own lines: where the first non-finite value was, and when it was found."""
     out = []
@@ -218,6 +234,7 @@ def summary_lines(report: dict) -> list[str]:
                 values.append(f"{text} {value:.1e}")
         out.append(f"numguard: first non-finite operation: {operation.get('op')} in {name} "
                    f"({report.get('class', '')}){site}" + (": " + ", ".join(values) if values else ""))
+    out.extend(replay_lines(report.get("replay")))
     ranks = report.get("ranks") or []
     if ranks:
         out.append("numguard: ranks that tripped: " + ", ".join(

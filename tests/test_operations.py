@@ -112,14 +112,20 @@ def test_log_of_negative_is_named_with_module_and_call_site():
     assert "Last 1 forward frames:" in err.report
 
 
-def test_fp16_exp_overflow_names_the_nested_module():
+def exp_overflow_stack():
+    """A Stack whose first block's exp overflows float16 on an input of ones: exp(4 * 0.5 * 20)."""
     torch.manual_seed(0)
     model = Stack()
-    x = torch.full((2, 4), 1.0)
     with torch.no_grad():
         for block in model.blocks:
             block.proj.weight.fill_(0.5)
             block.proj.bias.zero_()
+    return model
+
+
+def test_fp16_exp_overflow_names_the_nested_module():
+    model = exp_overflow_stack()
+    x = torch.full((2, 4), 1.0)
     insp, err = _trip(model, x)
     op = insp.last_report["operation"]
     assert op["op"] == "aten::exp" and op["site"] == f"{THIS_FILE}:{_line('op: exp')}"
@@ -248,12 +254,7 @@ def test_a_minus_inf_mask_up_to_the_softmax_is_not_a_trip():
 
 
 def test_an_operation_trip_names_its_pass_and_headroom_lists_no_operation_frames():
-    torch.manual_seed(0)
-    model = Stack()
-    with torch.no_grad():
-        for block in model.blocks:
-            block.proj.weight.fill_(0.5)
-            block.proj.bias.zero_()
+    model = exp_overflow_stack()
     insp, err = _trip(model, torch.full((2, 4), 1.0))
     assert insp.last_report["section"] == "forward"
     line = next(l for l in err.report.splitlines() if l.startswith("numguard: first non-finite value"))

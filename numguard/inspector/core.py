@@ -25,6 +25,7 @@ from .hooks import ModuleHooks, active
 from .options import STDOUT, WatchOptions
 from .history import ModuleHistory
 from .operations import OperationRecorder
+from . import replay as _replay
 from .ring import FrameRing
 from .trips import Reporter
 from .weights import WeightTable
@@ -91,6 +92,10 @@ class Inspector(ModuleHooks):
             gradients is "count"ed (default; not a trip) or a "trip" (numguard.backward).
         ops: also record every aten operation the forward runs (numguard.inspector.operations;
             slower): a trip names the first operation that made a NaN/Inf and its call site.
+            With backward=True, the backward's operations too.
+        replay: keep each module's last inputs and, after a trip, re-run the first bad module in
+            operation mode (numguard.inspector.replay): the report names the operation, or says
+            that the replay did not reproduce the NaN/Inf.
     """
 
     def __init__(self, model: torch.nn.Module, max_frames_to_save=21, trace_batch_nums=(),
@@ -118,6 +123,7 @@ class Inspector(ModuleHooks):
         self._backward_watch = None
         self._ops = None
         self._history = None              # per-module device history for advice() (numguard.inspector.history)
+        self._keeper = None               # replay=True: each module's last inputs (numguard.inspector.replay)
         self._registered = []             # weak refs of the modules counted in _watched
         self._ring = FrameRing(max(64, 8 * opts.max_frames_to_save), _model_device(model),
                                on_drop=self._frames_dropped)
@@ -135,6 +141,8 @@ class Inspector(ModuleHooks):
             if opts.backward:
                 self._watch_gradients(model)
             self._history = ModuleHistory(self._owners, self._ring.device)
+            if opts.replay:
+                self._keep_inputs()
             self._reporter.annotate = self._annotate_report
         except BaseException:
             self.close(check=False)  # a watch() that fails leaves no hook behind
@@ -184,6 +192,7 @@ class Inspector(ModuleHooks):
     extras = property(lambda self: self.options.extras)
     scaler_skips = property(lambda self: self.options.scaler_skips)
     ops = property(lambda self: self.options.ops)
+    replay = property(lambda self: self.options.replay)
 
     @property
     def report_to(self):
@@ -391,6 +400,8 @@ class Inspector(ModuleHooks):
         self._weights.forget()
         if self._history is not None:
             self._history.move_to(device)
+        if self._keeper is not None:
+            self._keeper.moved(device)
 
     def _frames_dropped(self, cut):
         self._reader.frames_dropped(cut)
@@ -495,9 +506,21 @@ class Inspector(ModuleHooks):
         self._history.fold(frames[self._ring.last_check_frames:boundary], self._ring)
 
     def _annotate_report(self, report, offender):
-        """Fields added to a trip's report before it is rendered: the module history."""
+        """Fields added to a trip's report before it is rendered: the module history, and with
+        replay=True the replay of the first bad module."""
         if self._history is not None:
             report["history"] = self.history()
+        if self._keeper is not None:
+            replayed = _replay.replay(self, self._keeper, offender)
+            if replayed is not None:
+                report["replay"] = replayed
+
+    def _keep_inputs(self):
+        self._keeper = _replay.InputKeeper(self, self._ring.device)
+        for owner in self._owners:
+            module = owner.ref()
+            if module is not None:
+                self._handles.append(self._keeper.hooks(owner, module))
 
     # -- what a subclass may change --------------------------------------------------------------
     def _trip_reported(self, report, frames_after):

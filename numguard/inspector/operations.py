@@ -188,17 +188,19 @@ class OperationRecorder(TorchDispatchMode):
             self.paused -= 1
         return out
 
-    def _record(self, func, args, kwargs, out):
+    def _pick(self, func, args, kwargs, out):
+        """(op name, tensor inputs, floating outputs, output labels) of an operation worth looking
+        at, or None: no floating output, or non-finite by intent (not a numerics bug)."""
         if type(out) is _Tensor:
             if out.dtype not in _FLOATING:
-                return
+                return None
             outs = [out]
             out_labels = ["output"]
         else:
             flat, _ = tree_flatten(out)
             outs = [x for x in flat if isinstance(x, _Tensor) and x.dtype in _FLOATING]
             if not outs:
-                return
+                return None
             out_labels = [f"output[{i}]" for i in range(len(outs))]
         flat_in, _ = tree_flatten((args, kwargs))
         ins = [x for x in flat_in if isinstance(x, _Tensor)]
@@ -216,8 +218,14 @@ class OperationRecorder(TorchDispatchMode):
                 intended.clear()
             for x in outs:
                 intended[id(x)] = weakref.ref(x)
+            return None
+        return op, kept, outs, out_labels
+
+    def _record(self, func, args, kwargs, out):
+        picked = self._pick(func, args, kwargs, out)
+        if picked is None:
             return
-        ins = kept
+        op, ins, outs, out_labels = picked
         insp = self.inspector
         backward_of = None
         if self.backward:

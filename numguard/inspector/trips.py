@@ -212,6 +212,10 @@ class Reporter:
             step_text = f" ({step[0]}={step[1]})" if step is not None else ""
             operation = report.get("operation")
             op_text = f" by operation {operation['op']}{_report.op_where(operation)}" if operation else ""
+            replayed = report.get("replay")
+            if not operation and replayed and replayed.get("reproduced"):
+                op_text = (f" by operation {replayed['op']}" + (f" at {replayed['site']}" if replayed["site"] else "")
+                           + " (found by replay)")
             msg = (f"numguard: inf/nan detected{on_rank} during batch_number={report['batch']}{step_text} in "
                    f"{module if module else '(root module)'} ({report['class']}) "
                    f"[{', '.join(labels)}]{op_text}; the report above shows the frames that led to it")
