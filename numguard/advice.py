@@ -218,7 +218,7 @@ def render(advice: Advice, limit: int = 20) -> str:
     scale = (f"loss scale {advice.loss_scale:g} (from GradScaler)" if advice.loss_scale_source == "GradScaler"
              else f"loss scale {advice.loss_scale:g} assumed (no GradScaler seen)")
     lines = [f"numguard precision advice (float16), {len(b)} batches of history ({span}), {scale}:"]
-    header = (f"{'module':40} {'class':18} {'dtype':9} {'abs max':>8} {'fp16 max':>8} {'growth':>7} "
+    header = (f"{'module':40} {'class':18} {'dtype':9} {'abs max':>8} {'% fp16':>8} {'growth':>7} "
               f"{'overflow':>9} {'grad max':>8} {'grad min':>8} {'subnorm':>7}  advice")
     lines.append(header)
     for r in advice.modules[:limit]:

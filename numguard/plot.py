@@ -112,8 +112,8 @@ def plot_advice(advice, out_path, limit=40):
     ax.set_xticks(list(range(len(rows))))
     ax.set_xticklabels([f"{r.name or '(root)'} {r.cls}" for r in rows], rotation=75, ha="right", fontsize=7)
     ax.set_ylabel("magnitude")
-    ax.set_title(f"numguard precision advice: dynamic range per module (worst first; red: keep fp32/bf16), "
-                 f"loss scale {advice.loss_scale:g}", fontsize=9)
+    ax.set_title(f"numguard advice: range per module, worst first (red: keep fp32/bf16)\n"
+                 f"gradients at loss scale {advice.loss_scale:g}", fontsize=9)
     ax.grid(True, which="major", axis="y", alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()

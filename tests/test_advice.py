@@ -227,3 +227,17 @@ def test_advise_command_errors(tmp_path, capsys):
     path.write_text(json.dumps(old))
     assert cli.main(["advise", str(path)]) == 2
     assert "no module history" in capsys.readouterr().err
+
+
+def test_a_failing_history_warns_once_and_training_goes_on(monkeypatch):
+    def broken(self, frames, ring):
+        raise RuntimeError("fold failed")
+    monkeypatch.setattr(_history.ModuleHistory, "fold", broken)
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.warns(numguard.errors.InspectorWarning, match="history stopped.*fold failed") as caught:
+        with numguard.watch(model, **quiet()) as insp:
+            for _ in range(3):
+                model(torch.randn(1, 2))
+            result = insp.advice()
+    assert sum("history stopped" in str(w.message) for w in caught) == 1
+    assert result.modules == [] and insp.batches_finished == 3

@@ -460,7 +460,7 @@ class Inspector(ModuleHooks):
             self._reporter.handle_trip(status, host_ring, on_report=self._trip_reported)
         else:
             if self._history is not None:
-                self._guarded(self._fold_history, status.boundary)
+                self._fold_history(status.boundary)
             self._ring.keep_context(status.boundary, self.options.max_frames_to_save)
 
     def _guarded(self, fn, *args):
@@ -503,7 +503,12 @@ class Inspector(ModuleHooks):
 
     def _fold_history(self, boundary):
         frames = self._ring.frames
-        self._history.fold(frames[self._ring.last_check_frames:boundary], self._ring)
+        try:
+            self._history.fold(frames[self._ring.last_check_frames:boundary], self._ring)
+        except Exception as exc:  # advice is lost, never the job
+            self._history = None
+            self._warn_once(("history",), f"numguard: the per-module history stopped after an internal error "
+                                          f"({type(exc).__name__}: {exc}); advice() has no data from now on")
 
     def _annotate_report(self, report, offender):
         """Fields added to a trip's report before it is rendered: the module history, and with
