@@ -164,25 +164,44 @@ def test_replay_leaves_buffers_random_state_and_hooks_as_they_were():
     assert all_hooks(model) == 0
 
 
-def test_replay_adds_no_host_sync_and_no_replay_field_on_healthy_batches(monkeypatch):
+def test_replay_adds_no_host_sync_and_lets_inputs_go_at_a_healthy_check(monkeypatch):
     model = tiny_gpt2(torch.float32)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     opt = train_steps(model, 1, ids)
     monkeypatch.setenv("NUMGUARD_REPLAY", "1")
-    insp = numguard.watch(model, **quiet())
+    insp = numguard.watch(model, **quiet(check_every=2))
     assert insp.replay is True
-    train_steps(model, 1, ids, opt)
-    kept_after_one = len(insp._keeper.calls)
-    with SyncCounter()() as counter:
-        train_steps(model, 3, ids, opt)
+    train_steps(model, 1, ids, opt)      # batch 0: not checked, its inputs are kept
     kept = len(insp._keeper.calls)
+    assert 0 < kept <= len(list(model.modules()))   # one call per module that ran
+    train_steps(model, 1, ids, opt)      # batch 1: checked healthy, nothing is held any more
+    assert insp._keeper.calls == {}
+    with SyncCounter()() as counter:
+        train_steps(model, 4, ids, opt)
     insp.close()
     assert counter.in_hooks == 0, counter.where
-    assert counter.numguard <= 3, counter.where
-    # One call kept per module that ran, however many steps.
-    assert 0 < kept == kept_after_one <= len(list(model.modules()))
+    assert counter.numguard <= 2, counter.where   # the two checks' reads
 
 
 def test_bad_replay_value_is_a_clear_error():
     with pytest.raises(ValueError, match="replay="):
         numguard.watch(nn.Linear(2, 2), replay="sometimes")
+
+
+def test_under_no_grad_inputs_are_held_weakly_and_a_freed_one_is_said():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), LogHead())   # LogHead's input dies inside the forward
+    with numguard.watch(model, **quiet(replay=True)) as insp:
+        with torch.no_grad(), pytest.raises(numguard.NonFiniteError) as info:
+            model(torch.randn(2, 4))
+    replayed = insp.last_report["replay"]
+    assert replayed["module"] == "1" and replayed["reproduced"] is False
+    assert "freed after the call" in replayed["reason"]
+    assert "numguard: could not replay 1 (LogHead): its inputs were freed" in info.value.report
+    # An input still alive at the trip (the caller holds it) is replayed under no_grad too.
+    x = torch.randn(2, 4)
+    head = LogHead()
+    with numguard.watch(head, **quiet(replay=True)) as insp:
+        with torch.no_grad(), pytest.raises(numguard.NonFiniteError):
+            head(x)
+    assert insp.last_report["replay"]["reproduced"] is True

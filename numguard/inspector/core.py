@@ -461,6 +461,9 @@ class Inspector(ModuleHooks):
         else:
             if self._history is not None:
                 self._fold_history(status.boundary)
+            if self._keeper is not None and status.boundary > 0:
+                # Inputs of confirmed batches can no longer be replayed: let them go now.
+                self._keeper.release_through(self._ring.frames[status.boundary - 1].batch)
             self._ring.keep_context(status.boundary, self.options.max_frames_to_save)
 
     def _guarded(self, fn, *args):

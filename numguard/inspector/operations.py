@@ -10,7 +10,8 @@ With ``backward=True`` too, the operations of the backward are recorded as well 
 that run it, so the mode also sees a CUDA backward's worker thread). Each backward operation is
 named by the autograd node that ran it (``SqrtBackward0``) and by the module and call site of the
 forward operation that made that node: the forward tags each node with them when a later
-operation consumes its output (inside a dispatch mode an output has no grad_fn yet).
+operation consumes its output (inside a dispatch mode an output has no grad_fn yet). Gradients
+computed with ``torch.autograd.grad`` are not recorded as operations (only ``backward()``).
 """
 from __future__ import annotations
 

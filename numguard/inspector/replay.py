@@ -13,12 +13,16 @@ the call (its version counter moved), the module's last call is not the call tha
 later call, or a later batch), or the replay gives finite values (the NaN/Inf did not reproduce:
 dropout or another random draw, a data race, or state the module changed).
 
-Memory: the kept references hold each module's last inputs alive until its next call (at most
-one call per module), which in training the backward mostly holds anyway.
+Memory: the kept references hold each module's last inputs (at most one call per module) only
+until the check that finds their batch healthy, which lets them go. With gradients on, autograd
+holds most of them for the backward anyway; under no_grad the tensor arguments are held weakly
+(holding them would keep a whole forward's activations alive), so a replay needs them to still be
+alive at the trip, and says so when they are not.
 """
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -49,18 +53,46 @@ class InputKeeper:
         # One tuple per call: references, version counters, the generator state (no device work).
         try:
             versions = tuple(x._version if type(x) is _Tensor else None for x in args)
+            if not _grad_enabled():
+                # Without autograd holding them, a strong reference would keep every activation of
+                # the forward alive until the check: keep weak ones (a freed input: no replay).
+                args = tuple(_Weak(x) if type(x) is _Tensor else x for x in args)
+                kwargs = {k: _Weak(v) if type(v) is _Tensor else v for k, v in kwargs.items()}
             self.calls[owner.index] = (args, kwargs, versions, self.inspector._batches_done,
                                        self.generator.get_state())
         except Exception:   # e.g. inference tensors have no version counter: not replayable
             self.calls.pop(owner.index, None)
         return None
 
-    def forget(self):
-        self.calls.clear()
+    def release_through(self, batch):
+        """Forget the calls of batches up to `batch` (a check found them healthy), so that the
+        kept references do not hold a batch's activations alive longer than the batch."""
+        calls = self.calls
+        if all(call[3] <= batch for call in calls.values()):
+            calls.clear()
+        else:
+            self.calls = {k: call for k, call in calls.items() if call[3] > batch}
 
     def moved(self, device):
         self.generator = _generator(device)
         self.calls.clear()
+
+
+_grad_enabled = torch.is_grad_enabled
+
+
+class _Weak(weakref.ref):
+    """A kept input held weakly (a forward under no_grad)."""
+    __slots__ = ()
+
+
+def _resolve(args, kwargs):
+    """The kept inputs with weak references resolved; None when one was freed."""
+    args = tuple(a() if type(a) is _Weak else a for a in args)
+    kwargs = {k: v() if type(v) is _Weak else v for k, v in kwargs.items()}
+    if any(a is None for a in args) or any(v is None for v in kwargs.values()):
+        return None
+    return args, kwargs
 
 
 class ReplayRecorder(_operations.OperationRecorder):
@@ -113,6 +145,13 @@ def replay(inspector, keeper, offender) -> dict | None:
         result["reason"] = ("its inputs kept are those of a later call than the one that tripped "
                             f"(batch {batch})")
         return result
+    resolved = _resolve(args, kwargs)
+    if resolved is None:
+        result["reason"] = ("its inputs were freed after the call: a forward without gradients keeps "
+                            "no activation alive, so numguard held them only weakly (use ops=True to "
+                            "name the operation in such forwards)")
+        return result
+    args, kwargs = resolved
     for i, (x, version) in enumerate(zip(args, versions)):
         if version is not None and x._version != version:
             result["reason"] = (f"input[{i}] was changed in place after the call (its version counter "
