@@ -17,11 +17,12 @@ amax reduces every field.
 from __future__ import annotations
 
 import math
+from array import array
 
 import torch
 
 from .. import schema
-from .frames import TENSOR
+from .frames import ONE_IN_ONE_OUT_LABELS, TENSOR
 from .ring import outside_inference_mode
 
 WINDOW = 64
@@ -31,6 +32,9 @@ _NEGATED = (MIN_NZ, GRAD_MIN_NZ)
 # What an empty cell holds: maxima start at -inf ("no value"), negated minima too.
 _EMPTY = -math.inf
 _NCOLS = schema.NUM_STATS
+_ABS_MAX, _MIN_NONZERO, _SUBNORMAL = schema.ABS_MAX, schema.MIN_NONZERO, schema.SUBNORMAL
+_FLOATING = frozenset(getattr(torch, name) for name in ("float64", "float32", "float16", "bfloat16",
+                                                        "float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
 
 
 class ModuleHistory:
@@ -57,73 +61,100 @@ class ModuleHistory:
         """Start over on another device (the model moved)."""
         self._allocate(device)
 
-    @outside_inference_mode
     def fold(self, frames, ring):
         """Fold the records of `frames` (confirmed healthy, still in `ring`) into the table."""
-        src, mult, cells = [], [], []
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                return self._fold(frames, ring)
+        return self._fold(frames, ring)
+
+    def _fold(self, frames, ring):
+        # Host work per tensor line: a few appends (this runs at every healthy check).
+        index, mult = array("q"), array("d")   # index: ring element positions, then table cells
+        cells = array("q")
+        add_index, add_mult, add_cell = index.append, mult.append, cells.append
         nf = len(FIELDS)
         window = self.window
         size = ring.size
         oldest = ring.pos - size
+        slot_batch = self.slot_batch
+        by_name = self.by_name
+        dtypes = self.dtypes
         new_slots = []
         for f in frames:
             section = f.section
-            owner = f.owner
             if section == "forward":
-                row = owner.index
+                row = f.owner.index
                 if row < 0:
                     continue
                 forward = True
             elif section == "backward" and f.labels and f.labels[0].startswith("grad_"):
-                row = self.by_name.get(owner.name)
+                row = by_name.get(f.owner.name)
                 if row is None:
                     continue
                 forward = False
             else:
                 continue
-            slot = f.batch % window
-            if self.slot_batch[slot] != f.batch:
-                self.slot_batch[slot] = f.batch
+            batch = f.batch
+            slot = batch % window
+            if slot_batch[slot] != batch:
+                slot_batch[slot] = batch
                 new_slots.append(slot)
             base = (row * window + slot) * nf
-            t = 0
-            for label, kind in zip(f.labels, f.kinds):
-                if kind & 3 != TENSOR:
-                    continue
-                p = f.positions[t]
-                dtype = f.dtypes[t]
-                shape = f.shapes[t]
-                t += 1
-                if p < oldest or not dtype.is_floating_point:
+            positions = f.positions
+            f_dtypes = f.dtypes
+            if f.labels is ONE_IN_ONE_OUT_LABELS:
+                lines = ((0, False), (1, True))      # input[0], output
+            else:
+                lines = []
+                t = 0
+                for label, kind in zip(f.labels, f.kinds):
+                    if kind & 3 == TENSOR:
+                        lines.append((t, label.startswith("output")))
+                        t += 1
+            for t, is_output in lines:
+                p = positions[t]
+                dtype = f_dtypes[t]
+                if p < oldest or dtype not in _FLOATING:
                     continue
                 r = (p % size) * _NCOLS
                 if forward:
-                    big = OUT_MAX if label.startswith("output") else IN_MAX
-                    src += (r + schema.ABS_MAX, r + schema.MIN_NONZERO)
-                    mult += (1.0, -1.0)
-                    cells += (base + big, base + MIN_NZ)
-                    if big == OUT_MAX and row not in self.dtypes:
-                        self.dtypes[row] = [str(dtype), None]
+                    add_index(r + _ABS_MAX)
+                    add_index(r + _MIN_NONZERO)
+                    add_mult(1.0)
+                    add_mult(-1.0)
+                    add_cell(base + (OUT_MAX if is_output else IN_MAX))
+                    add_cell(base + MIN_NZ)
+                    if is_output and row not in dtypes:
+                        dtypes[row] = [str(dtype), None]
                 else:
+                    shape = f.shapes[t]
                     numel = math.prod(shape) if shape else 1
-                    src += (r + schema.ABS_MAX, r + schema.MIN_NONZERO, r + schema.SUBNORMAL)
-                    mult += (1.0, -1.0, 1.0 / numel if numel else 0.0)
-                    cells += (base + GRAD_MAX, base + GRAD_MIN_NZ, base + GRAD_SUB)
-                    kinds = self.dtypes.setdefault(row, [None, None])
+                    add_index(r + _ABS_MAX)
+                    add_index(r + _MIN_NONZERO)
+                    add_index(r + _SUBNORMAL)
+                    add_mult(1.0)
+                    add_mult(-1.0)
+                    add_mult(1.0 / numel if numel else 0.0)
+                    add_cell(base + GRAD_MAX)
+                    add_cell(base + GRAD_MIN_NZ)
+                    add_cell(base + GRAD_SUB)
+                    kinds = dtypes.setdefault(row, [None, None])
                     if kinds[1] is None:
                         kinds[1] = str(dtype)
         table = self.table
         for slot in new_slots:   # a slot taken by a newer batch starts empty (one fill per batch)
             table[:, slot].fill_(_EMPTY)
-        if not src:
+        if not index:
             return
+        n = len(index)
+        index += cells
         device = table.device
-        src_t = _to_device(src, torch.int64, device)
+        index_t = _to_device(index, torch.int64, device)
         mult_t = _to_device(mult, torch.float64, device)
-        cells_t = _to_device(cells, torch.int64, device)
-        values = ring.ring.reshape(-1).index_select(0, src_t).mul_(mult_t)
+        values = ring.ring.reshape(-1).index_select(0, index_t[:n]).mul_(mult_t)
         # MIN_NONZERO is +inf when a tensor has no non-zero value: -inf after negation, an empty cell.
-        table.view(-1).scatter_reduce_(0, cells_t, values, "amax")
+        table.view(-1).scatter_reduce_(0, index_t[n:], values, "amax")
 
     def to_dict(self) -> dict:
         """The history as plain data (one device->host copy): batches oldest first, and per module
@@ -148,8 +179,9 @@ class ModuleHistory:
 
 
 def _to_device(values, dtype, device):
-    host = torch.tensor(values, dtype=dtype)
+    """A 1-d tensor on `device` from an array (no per-element Python work)."""
+    host = torch.frombuffer(values, dtype=dtype)
     if device.type == "cuda":
         # From pinned memory without waiting: the copy is ordered before the ops that read it.
         return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+    return host if device.type == "cpu" else host.to(device)
