@@ -118,6 +118,8 @@ def conditions(training):
         out.append(("numguard backward=True", lambda m: Watch(m, backward=True)))
     if training:
         out.append(("numguard ops=True", lambda m: Watch(m, ops=True)))
+        if have_backward():
+            out.append(("numguard ops=True backward=True", lambda m: Watch(m, ops=True, backward=True)))
     out.append(("numguard replay=True", lambda m: Watch(m, replay=True)))
     out += [("transformers DebugUnderflowOverflow", HFHooks),
             ("torch detect_anomaly", Anomaly)]

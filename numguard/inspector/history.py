@@ -4,7 +4,8 @@
 At each healthy check, the records of the frames that check confirmed are folded into a table
 ``[modules, window, fields]`` on the ring's device with ONE ``scatter_reduce_`` (amax): no host
 sync, no per-module device work, and nothing at all in the module hooks. The host only builds the
-index lists (a few list appends per recorded tensor, at the check). The table holds the last
+index lists (a few array appends per recorded tensor, at the check: about half a millisecond for
+the 80 frames of a 14M-parameter GPT-2 batch on a busy CPU). The table holds the last
 `window` batches; ``to_dict()`` reads it back (one device->host copy) as plain JSON data, the
 "history" of a dump and the input of ``numguard.advice``.
 
