@@ -2,12 +2,14 @@
 
 Conditions (interleaved round-robin, medians): no hooks / numguard.watch (sync check) / numguard
 check="async" / numguard check_every=10 / numguard backward=True (training only, when available)
-/ numguard ops=True (training only) / Transformers' DebugUnderflowOverflow / torch.autograd.detect_anomaly. Models: a stack of 200
-Linear(4, 4) (host cost per module call), random-init GPT-2 (~1M and ~14M parameters) and T5 (~13M),
-CPU, one thread. Steps: forward only (no_grad) and
+/ numguard ops=True (training only) / numguard replay=True / Transformers' DebugUnderflowOverflow /
+torch.autograd.detect_anomaly. Models: a stack of 200 Linear(4, 4) (host cost per module call),
+random-init GPT-2 (~1M and ~14M parameters) and T5 (~13M), CPU, one thread. Steps: forward only
+(no_grad) and
 forward + backward + AdamW.
 
     python benchmarks/bench_hooks.py [--reps 7] [--steps 3] [--models gpt2-1m,gpt2-14m,t5-13m]
+        [--conditions "numguard,numguard replay=True"] [--advise]
 
 Prints a table and writes benchmarks/results/bench_hooks.json.
 """
@@ -131,6 +133,9 @@ def conditions(training):
         out.append(("numguard backward=True", lambda m: Watch(m, backward=True)))
     if training:
         out.append(("numguard ops=True", lambda m: Watch(m, ops=True)))
+        if have_backward():
+            out.append(("numguard ops=True backward=True", lambda m: Watch(m, ops=True, backward=True)))
+    out.append(("numguard replay=True", lambda m: Watch(m, replay=True)))
     out += [("transformers DebugUnderflowOverflow", HFHooks),
             ("torch detect_anomaly", Anomaly)]
     return out
@@ -154,7 +159,7 @@ def make_step(model, run, training, optimizer):
     return step
 
 
-def bench_model(name, reps, steps, sync_steps):
+def bench_model(name, reps, steps, sync_steps, only=None):
     model, train_run, fwd_run = MODELS[name]()
     params = sum(p.numel() for p in model.parameters())
     rows = []
@@ -162,7 +167,7 @@ def bench_model(name, reps, steps, sync_steps):
         model.train(training)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4) if training else None
         step = make_step(model, train_run if training else fwd_run, training, optimizer)
-        conds = conditions(training)
+        conds = [c for c in conditions(training) if only is None or c[0] in only or c[0] == "no hooks"]
         times = {c: [] for c, _ in conds}
         cpu = {c: [] for c, _ in conds}
         step()  # warm up (allocator, AdamW state)
@@ -204,6 +209,45 @@ def bench_model(name, reps, steps, sync_steps):
     return rows
 
 
+# -- precision advice on a dump -----------------------------------------------------------------
+
+def bench_advise(name, train_batches=4, forward_batches=60, reps=5):
+    """Time `numguard advise` on a real dump of `name`: a full history window (a few training
+    steps with backward=True, then forward batches), then a NaN weight trips on_trip="dump"."""
+    import subprocess
+    import tempfile
+
+    from numguard import advice as _advice
+    from numguard import dump as _dump
+
+    model, train_run, fwd_run = MODELS[name]()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    directory = tempfile.mkdtemp(prefix="numguard-bench-advise-")
+    insp = numguard.watch(model, backward=True, on_trip="dump", dump_dir=directory, report_to=None)
+    for _ in range(train_batches):
+        run_step = make_step(model, train_run, True, optimizer)
+        run_step()
+    with torch.no_grad():
+        for _ in range(forward_batches):
+            fwd_run(model)
+        next(model.parameters()).view(-1)[0] = float("nan")
+        fwd_run(model)
+    insp.close(check=False)
+    (path,) = [os.path.join(directory, f) for f in os.listdir(directory)]
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        data = _dump.load(path)
+        result = _advice.advise(data["history"])
+        _advice.render(result)
+        times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "numguard", "advise", path], check=True, capture_output=True)
+    process = time.perf_counter() - t0
+    return {"model": name, "modules": len(data["history"]["modules"]), "batches": len(data["history"]["batches"]),
+            "dump_bytes": os.path.getsize(path), "advise_s": statistics.median(times), "process_s": process}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=7)
@@ -213,12 +257,20 @@ def main():
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                      "bench_hooks.json"))
+    parser.add_argument("--conditions", default=None,
+                        help="comma-separated condition names to run (default: all; 'no hooks' always runs)")
+    parser.add_argument("--advise", action="store_true",
+                        help="also time `python -m numguard advise` on a dump of each model (see bench_advise)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows = []
+    only = set(c.strip() for c in args.conditions.split(",")) if args.conditions else None
+    advise_rows = []
     for name in args.models.split(","):
-        rows += bench_model(name.strip(), args.reps, args.steps, args.sync_steps)
+        rows += bench_model(name.strip(), args.reps, args.steps, args.sync_steps, only)
+        if args.advise:
+            advise_rows.append(bench_advise(name.strip()))
     header = (f"{'model':9} {'params':>7} {'step':7} {'condition':36} {'wall ms':>8} {'ratio':>6} "
               f"{'cpu ms':>8} {'ratio':>6} {'syncs/step':>10}")
     print("medians over interleaved repetitions; ratio = condition / no hooks (wall clock and this thread's CPU time)")
@@ -228,11 +280,16 @@ def main():
         print(f"{r['model']:9} {r['params'] / 1e6:6.1f}M {r['step']:7} {r['condition']:36} "
               f"{r['median_s'] * 1e3:8.2f} {r['ratio']:6.2f} {r['cpu_median_s'] * 1e3:8.2f} {r['cpu_ratio']:6.2f} "
               f"{r['syncs_per_step']:10.1f}")
+    for r in advise_rows:
+        print(f"advise on a dump of {r['model']} ({r['modules']} modules, {r['batches']} batches of history, "
+              f"{r['dump_bytes'] / 1e6:.1f} MB): load + advise + render {r['advise_s'] * 1e3:.0f} ms median, "
+              f"`python -m numguard advise` process {r['process_s']:.2f} s")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"torch": torch.__version__, "numguard_backend": numguard.backend(),
                    "threads": args.threads, "reps": args.reps, "steps": args.steps,
-                   "machine": platform.machine(), "processor": platform.processor(), "rows": rows}, f, indent=1)
+                   "machine": platform.machine(), "processor": platform.processor(), "rows": rows,
+                   "advise": advise_rows}, f, indent=1)
     print(f"\nwrote {args.out}")
 
 

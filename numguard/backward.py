@@ -47,6 +47,7 @@ _watchers = []  # weak references
 _lock = threading.Lock()
 _optimizer_hook = None
 _original_scaler_step = None
+_original_autograd_backward = None   # torch.autograd.backward, wrapped while a watcher records operations
 _steps_taken = 0  # optimizer steps that actually ran (the pre-hook fired), process-wide
 
 
@@ -130,6 +131,7 @@ class BackwardWatcher:
         self.recorded_since_check = False
         self.steps_seen = 0              # optimizer steps (of this model's optimizers) seen
         self._step_start = None          # the inspector's record position at this step's 1st gradient
+        self.last_scaler = None          # weak reference to the GradScaler stepping this model, if any
         self._model_ref = weakref.ref(model)
         self._root_name = inspector.module_names.get(model, "")
         self._root_class = type(model).__name__
@@ -321,6 +323,9 @@ def _optimizer_pre_hook(optimizer, args, kwargs):
 
 def _scaler_step(scaler, optimizer, *args, **kwargs):
     before = _steps_taken
+    for watcher in _live_watchers():  # the loss scale of the gradients seen (precision advice)
+        if watcher.last_scaler is None or watcher.last_scaler() is not scaler:
+            watcher.last_scaler = weakref.ref(scaler)
     result = _original_scaler_step(scaler, optimizer, *args, **kwargs)
     if _steps_taken == before and scaler.is_enabled():
         for watcher in _live_watchers():
@@ -328,14 +333,32 @@ def _scaler_step(scaler, optimizer, *args, **kwargs):
     return result
 
 
+def _autograd_backward(*args, **kwargs):
+    # With ops=True, the backward's operations are recorded too: the dispatch mode must be active
+    # when the backward starts (autograd hands it to the threads that run the backward).
+    entered = []
+    for watcher in _live_watchers():
+        inspector = watcher.inspector
+        if not watcher.closed and getattr(inspector, "ops", False) and inspector.backward_ops_start():
+            entered.append(inspector)
+    try:
+        return _original_autograd_backward(*args, **kwargs)
+    finally:
+        for inspector in reversed(entered):
+            inspector.backward_ops_stop()
+
+
 def _live_watchers():
     return [watcher for watcher in (ref() for ref in list(_watchers)) if watcher is not None]
 
 
 def _register(watcher):
-    global _optimizer_hook, _original_scaler_step
+    global _optimizer_hook, _original_scaler_step, _original_autograd_backward
     with _lock:
         _watchers.append(weakref.ref(watcher))
+        if getattr(watcher.inspector, "ops", False) and _original_autograd_backward is None:
+            _original_autograd_backward = torch.autograd.backward
+            torch.autograd.backward = _autograd_backward
         if _optimizer_hook is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -347,7 +370,7 @@ def _register(watcher):
 
 
 def _unregister(watcher):
-    global _optimizer_hook, _original_scaler_step
+    global _optimizer_hook, _original_scaler_step, _original_autograd_backward
     with _lock:
         _watchers[:] = [ref for ref in _watchers if ref() is not None and ref() is not watcher]
         if not _watchers:
@@ -357,3 +380,6 @@ def _unregister(watcher):
             if _original_scaler_step is not None:
                 torch.amp.GradScaler.step = _original_scaler_step
                 _original_scaler_step = None
+            if _original_autograd_backward is not None:
+                torch.autograd.backward = _original_autograd_backward
+                _original_autograd_backward = None

@@ -2,6 +2,8 @@
 
     python -m numguard report FILE [--plot OUT.png]   render a dump (on_trip="dump") as text,
                                                       and optionally plot it
+    python -m numguard advise FILE [--plot OUT.png] [--all]
+                                                      precision advice from a dump's module history
     python -m numguard install-hook [--target DIR]    install the NUMGUARD=1 start-up hook into
                                                       site-packages (pip install does this already)
     python -m numguard install-hook --remove          remove it again
@@ -22,20 +24,51 @@ import sys
 __all__ = ["main"]
 
 
-def _report(args):
+class _Failed(Exception):
+    """A command's error message, already written; carries the exit status."""
+
+    def __init__(self, status):
+        super().__init__(status)
+        self.status = status
+
+
+def _load_dump(command, path):
+    """A dump file, loaded and checked; a problem is written to stderr and raises _Failed."""
     from . import dump
+
+    if not os.path.isfile(path):
+        raise _Failed(_fail(f"{command}: {path!r} is not a file; give the path of a numguard dump "
+                            "(a JSON file written by on_trip=\"dump\" / NUMGUARD_ON_TRIP=dump)"))
+    try:
+        return dump.load(path)
+    except dump.DumpError as exc:
+        raise _Failed(_fail(f"{command}: cannot read {exc}")) from None
+    except OSError as exc:
+        raise _Failed(_fail(f"{command}: cannot read {path!r} ({exc.strerror or exc})")) from None
+
+
+def _plot(command, draw, what, out):
+    """Draw `what` to `out` with `draw`; 0, or the exit status of a failure written to stderr."""
+    from .plot import PlotUnavailableError
+
+    try:
+        draw(what, out)
+    except PlotUnavailableError as exc:
+        return _fail(f"{command} --plot: {exc}")
+    except (OSError, ValueError) as exc:
+        return _fail(f"{command} --plot: cannot draw {out!r} ({type(exc).__name__}: {exc})")
+    sys.stdout.write(f"numguard: plot written to {out}\n")
+    return 0
+
+
+def _report(args):
     from . import report as _render
 
     path = args.file
-    if not os.path.isfile(path):
-        return _fail(f"report: {path!r} is not a file; give the path of a numguard dump "
-                     "(a JSON file written by on_trip=\"dump\" / NUMGUARD_ON_TRIP=dump)")
     try:
-        data = dump.load(path)
-    except dump.DumpError as exc:
-        return _fail(f"report: cannot read {exc}")
-    except OSError as exc:
-        return _fail(f"report: cannot read {path!r} ({exc.strerror or exc})")
+        data = _load_dump("report", path)
+    except _Failed as failed:
+        return failed.status
     try:
         text = _render.render(data)
     except Exception as exc:  # noqa: BLE001 - a valid dump that does not render is numguard's bug
@@ -43,15 +76,28 @@ def _report(args):
                      f"({type(exc).__name__}: {exc}); please report this as a numguard bug", status=1)
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
     if args.plot:
-        from .plot import PlotUnavailableError, plot_dump
+        from .plot import plot_dump
 
-        try:
-            plot_dump(data, args.plot)
-        except PlotUnavailableError as exc:
-            return _fail(f"report --plot: {exc}")
-        except (OSError, ValueError) as exc:
-            return _fail(f"report --plot: cannot draw {args.plot!r} ({type(exc).__name__}: {exc})")
-        sys.stdout.write(f"numguard: plot written to {args.plot}\n")
+        return _plot("report", plot_dump, data, args.plot)
+    return 0
+
+
+def _advise(args):
+    from . import advice as _advice
+
+    try:
+        data = _load_dump("advise", args.file)
+    except _Failed as failed:
+        return failed.status
+    try:
+        result = _advice.advise(data.get("history"))
+    except _advice.AdviceError as exc:
+        return _fail(f"advise: {args.file!r}: {exc}")
+    sys.stdout.write(_advice.render(result, limit=len(result.modules) if args.all else 20) + "\n")
+    if args.plot:
+        from .plot import plot_advice
+
+        return _plot("advise", plot_advice, result, args.plot)
     return 0
 
 
@@ -124,6 +170,13 @@ def _parser():
                         help="also draw abs max and min-nonzero per frame to this PNG "
                              "(needs matplotlib)")
     report.set_defaults(run=_report)
+    advise = commands.add_parser("advise", help="precision advice (fp16 overflow, gradient underflow, "
+                                                "loss scale) from a dump's module history")
+    advise.add_argument("file", metavar="FILE", help="the JSON dump file")
+    advise.add_argument("--plot", metavar="OUT.png",
+                        help="also draw each module's dynamic range against float16's (needs matplotlib)")
+    advise.add_argument("--all", action="store_true", help="list every module (default: the worst 20)")
+    advise.set_defaults(run=_advise)
     hook = commands.add_parser("install-hook",
                                help="install the NUMGUARD=1 start-up hook into site-packages")
     hook.add_argument("--target", metavar="DIR",

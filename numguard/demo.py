@@ -8,7 +8,8 @@ float16 with every module watched by `numguard.watch`. One MLP layer is made to 
 weight doubles at every step, as a layer does when its learning rate is too high): numguard
 first warns that the layer's activations are approaching float16's limit (65504), then, when the
 layer overflows, prints the frames that led to the first inf and stops training with
-`numguard.NonFiniteError`.
+`numguard.NonFiniteError`. Last, `Inspector.advice()` reads numguard's per-module history of the
+batches before the trip and says which modules will overflow float16 first.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=40, help="training steps at most (default 40)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--frames", type=int, default=12, help="frames shown in the report (default 12)")
+    parser.add_argument("--advice-rows", type=int, default=6, help="modules shown in the advice (default 6)")
     args = parser.parse_args(argv)
 
     import torch
@@ -59,7 +61,8 @@ def main(argv=None) -> int:
         warnings.showwarning = show_warning
         warnings.simplefilter("always", HeadroomWarning)
         try:
-            with numguard.watch(model, max_frames_to_save=args.frames):
+            insp = numguard.watch(model, max_frames_to_save=args.frames)
+            with insp:
                 for step in range(args.steps):
                     loss = model(tokens, labels=tokens).loss
                     loss.backward()
@@ -73,6 +76,9 @@ def main(argv=None) -> int:
         except numguard.NonFiniteError as err:
             print(f"numguard stopped training at batch_number={err.batch_number}: first non-finite value in "
                   f"{err.module!r}, {', '.join(err.labels)}")
+            print("\nWhat to do about it (numguard's precision advice from the batches before the trip):")
+            from numguard.advice import render
+            print(render(insp.advice(), limit=args.advice_rows))
             print(f"(demo finished in {time.perf_counter() - started:.1f} s)")
             return 0
     print("no overflow within the steps given; try more --steps")

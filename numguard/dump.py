@@ -21,6 +21,16 @@ Schema (``format == "numguard-report"``, ``version == 1``); JSON numbers may be 
       "max_frames_to_save": int, "headroom": float, "backend": "native" | "torch",
       "operation": {"op": str, "site": str, "input_abs_max": float | null, "output_abs_max": float | null},
                                 # optional: the first bad operation (watch(ops=True))
+      "history": {              # optional: the per-module history precision advice reads
+        "window": int, "batches": [int, ...],  # batches covered, oldest first
+        "loss_scale": float | null, "loss_scale_source": "GradScaler" | "assumed",
+        "modules": [{"name": str, "class": str, "dtype": str | null, "grad_dtype": str | null,
+                     "out_abs_max": [float | null, ...], "in_abs_max": [...], "min_nonzero": [...],
+                     "grad_abs_max": [...], "grad_min_nonzero": [...], "grad_subnormal_share": [...]},
+                    ...]},   # one value per batch; python -m numguard advise FILE
+      "replay": {"module": str, "class": str, "reproduced": bool, "op": str | null, "site": str | null,
+                 "op_module": str | null, "op_class": str | null, "reason": str},
+                                # optional: watch(replay=True)'s re-run of the first bad module
       "frames": [               # oldest first; the last one is the offending frame
         {
           "name": str, "class": str, "section": str, "batch": int,
@@ -152,6 +162,8 @@ _TOP = {
     "max_frames_to_save": (False, _POSITIVE),
     "headroom": (False, ("a number", _is_number)),
     "backend": (False, _STR),
+    "history": (False, ("an object", lambda v: isinstance(v, dict))),
+    "replay": (False, ("an object", lambda v: isinstance(v, dict))),
 }
 _FRAME = {
     "name": (True, _STR),

@@ -404,7 +404,8 @@ VARIABLES = (
              "abort_after_batch_num"),
     Variable("NUMGUARD_BACKWARD", "`0`/`1`: also watch gradients", _SWITCH, _switch, False, "backward"),
     Variable("NUMGUARD_OPS",
-             "`0`/`1`: record every aten operation of the forward (slower; names the first bad operation)",
+             "`0`/`1`: record every aten operation of the forward, and of the backward with "
+             "`NUMGUARD_BACKWARD=1` (slower; names the first bad operation)",
              _SWITCH, _switch, False, "ops"),
     Variable("NUMGUARD_CHECK", "`sync` (default) or `async`", "sync or async (any case)",
              _choice("sync", "async"), "sync", "check"),
@@ -430,6 +431,10 @@ VARIABLES = (
              "(default: the best the CPU has)",
              "avx512, avx2 or baseline (any case; the C++ kernels read it the same way)",
              _choice(*CPU_ISA_CHOICES), None),
+    Variable("NUMGUARD_REPLAY",
+             "`0`/`1`: keep each module's last inputs and, after a trip, re-run the first bad module "
+             "in operation mode to name the operation",
+             _SWITCH, _switch, False, "replay"),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
 
@@ -649,6 +654,7 @@ WATCH_DEFAULTS = types.MappingProxyType({
     "extras": True,
     "scaler_skips": "count",
     "ops": False,
+    "replay": False,
 })
 
 # option -> validator(value) -> normalized value; raises OptionError.
@@ -666,6 +672,7 @@ WATCH_VALIDATORS = types.MappingProxyType({
     "extras": _flag("extras"),
     "scaler_skips": _one_of("scaler_skips", ("count", "trip")),
     "ops": _flag("ops"),
+    "replay": _flag("replay"),
 })
 assert WATCH_VALIDATORS.keys() == WATCH_DEFAULTS.keys()
 

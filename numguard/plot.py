@@ -6,7 +6,7 @@ drawn with the Agg backend (no display needed, pyplot's global state untouched).
 """
 import math
 
-__all__ = ["PlotUnavailableError", "frame_series", "plot_dump"]
+__all__ = ["PlotUnavailableError", "frame_series", "plot_dump", "plot_advice"]
 
 # finfo.max and finfo.tiny (smallest normal) per dtype name, so that a dump plots without torch.
 _DTYPE_LIMITS = {
@@ -70,6 +70,55 @@ def frame_series(dump):
             label = f"{label} ({section})"
         series.append((label, abs_max, min_nonzero, non_finite, names))
     return series
+
+
+def _figure(width):
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise PlotUnavailableError(
+            f"plotting needs matplotlib, which is not installed ({exc}): pip install matplotlib"
+        ) from None
+    fig = Figure(figsize=(width, 5.0))
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def plot_advice(advice, out_path, limit=40):
+    """Draw numguard.advice.Advice to ``out_path`` (PNG): per module (worst first, `limit` of
+    them), the range from its smallest non-zero magnitude to its abs max, forward values and
+    activation gradients side by side, against float16's largest finite value, smallest normal
+    and smallest subnormal. Returns ``out_path``."""
+    rows = [r for r in advice.modules if r.abs_max is not None or r.grad_abs_max is not None][:limit]
+    if not rows:
+        raise ValueError("the history holds no module values to plot")
+    fig = _figure(max(6.0, min(24.0, 0.35 * len(rows) + 3.0)))
+    ax = fig.add_subplot(1, 1, 1)
+    ax.set_yscale("log")
+    for x, r in enumerate(rows):
+        if r.abs_max is not None:
+            ax.vlines(x - 0.12, r.min_nonzero or r.abs_max, r.abs_max, color="tab:blue", lw=5,
+                      label="forward: min nonzero .. abs max" if x == 0 else None)
+        if r.grad_abs_max is not None:
+            ax.vlines(x + 0.12, r.grad_min_nonzero or r.grad_abs_max, r.grad_abs_max, color="tab:orange", lw=5,
+                      label="gradient: min nonzero .. abs max" if x == 0 else None)
+        if r.keep:
+            ax.axvspan(x - 0.45, x + 0.45, color="tab:red", alpha=0.08)
+    largest, smallest_normal = _DTYPE_LIMITS["float16"]
+    ax.axhline(largest, color="black", ls="--", lw=1, label=f"float16 max {largest:.3g}")
+    ax.axhline(smallest_normal, color="gray", ls="--", lw=1, label=f"float16 smallest normal {smallest_normal:.3g}")
+    ax.axhline(2.0 ** -24, color="gray", ls=":", lw=1, label=f"float16 smallest subnormal {2.0 ** -24:.3g}")
+    ax.set_xticks(list(range(len(rows))))
+    ax.set_xticklabels([f"{r.name or '(root)'} {r.cls}" for r in rows], rotation=75, ha="right", fontsize=7)
+    ax.set_ylabel("magnitude")
+    ax.set_title(f"numguard advice: range per module, worst first (red: keep fp32/bf16)\n"
+                 f"gradients at loss scale {advice.loss_scale:g}", fontsize=9)
+    ax.grid(True, which="major", axis="y", alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(out_path, format="png", dpi=100)
+    return out_path
 
 
 def plot_dump(dump, out_path, title=None):

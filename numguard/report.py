@@ -75,7 +75,7 @@ def frame_text(frame: dict, extras: bool = True) -> str:
         lines.extend(batch_start_lines(frame["batch_start"]))
     header = f"{PREFIX} {frame['name']} {frame['class']}"
     if frame.get("op"):  # an operation frame (watch(ops=True)): the op and its call site
-        header += f" {frame['op']}" + (f" at {frame['site']}" if frame.get("site") else "")
+        header += f" {frame['op']}" + op_where(frame)
     lines.append(header)
     extra_flags = frame.get("extra") or [False] * len(frame["labels"])
     for label, kind, record, extra in zip(frame["labels"], frame["kinds"], frame["records"], extra_flags):
@@ -83,6 +83,16 @@ def frame_text(frame: dict, extras: bool = True) -> str:
             continue
         lines.append(value_line(kind, record, label))
     return "\n".join(lines)
+
+
+def op_where(op: dict) -> str:
+    """' at file.py:12' for a forward operation; for a backward one, the autograd node that ran it
+    and the call site of the forward operation that made that node."""
+    site = op.get("site")
+    backward_of = op.get("backward_of")
+    if backward_of:
+        return f" in the backward of {backward_of}" + (f" (forward at {site})" if site else "")
+    return f" at {site}" if site else ""
 
 
 def detected_lines(frame: dict) -> list[str]:
@@ -130,6 +140,8 @@ def headroom_lines(frames, limit: int = 5) -> list[str]:
     """The low-precision tensors of `frames` closest to their dtype's max, closest first."""
     rows = []
     for f in frames:
+        if f.get("op"):  # operation frames hold the module frames' tensors again: not repeated here
+            continue
         for label, kind, record, dtype in zip(f["labels"], f["kinds"], f["records"], f["dtypes"]):
             dmax = DTYPE_MAX.get(dtype)
             if kind != KIND_TENSOR or dmax is None or record is None:
@@ -183,6 +195,22 @@ def render(report: dict, extras: bool = True) -> str:
     return text + "\n\n\n"
 
 
+def replay_lines(replay) -> list[str]:
+    """What watch(replay=True)'s re-run of the first bad module found (numguard.inspector.replay)."""
+    if not isinstance(replay, dict):
+        return []
+    module = f"{replay.get('module') or '(root module)'} ({replay.get('class', '')})"
+    if replay.get("reproduced"):
+        site = f" at {replay['site']}" if replay.get("site") else ""
+        return [f"numguard: replay of {module} on its last inputs (grad off, random state restored): first "
+                f"non-finite operation: {replay.get('op')} in {replay.get('op_module') or '(root module)'} "
+                f"({replay.get('op_class', '')}){site}"]
+    reason = replay.get("reason") or "no reason given"
+    if "did not reproduce" in reason:
+        return [f"numguard: replay of {module} did NOT reproduce the non-finite value: {reason}"]
+    return [f"numguard: could not replay {module}: {reason}"]
+
+
 def summary_lines(report: dict) -> list[str]:
     """numguard's own lines: where the first non-finite value was, and when it was found."""
     out = []
@@ -198,7 +226,7 @@ def summary_lines(report: dict) -> list[str]:
     operation = report.get("operation")
     if isinstance(operation, dict):  # unknown fields of an older or foreign dump are ignored
         name = module if module else "(root module)"
-        site = f" at {operation['site']}" if operation.get("site") else ""
+        site = op_where(operation)
         values = []
         for key, text in (("input_abs_max", "input abs max"), ("output_abs_max", "output")):
             value = operation.get(key)
@@ -206,6 +234,7 @@ def summary_lines(report: dict) -> list[str]:
                 values.append(f"{text} {value:.1e}")
         out.append(f"numguard: first non-finite operation: {operation.get('op')} in {name} "
                    f"({report.get('class', '')}){site}" + (": " + ", ".join(values) if values else ""))
+    out.extend(replay_lines(report.get("replay")))
     ranks = report.get("ranks") or []
     if ranks:
         out.append("numguard: ranks that tripped: " + ", ".join(

@@ -55,6 +55,7 @@ def test_every_variable_maps_to_its_watch_argument():
     }
     assert env.settings_from_env({"NUMGUARD_BACKWARD": "0"}) == {"backward": False}
     assert env.settings_from_env({"NUMGUARD_OPS": " 0 "}) == {"ops": False}
+    assert env.settings_from_env({"NUMGUARD_REPLAY": "1"}) == {"replay": True}
     assert env.log_level_from_env({"NUMGUARD_LOG_LEVEL": "debug"}) == logging.DEBUG
     assert env.log_level_from_env({"NUMGUARD_LOG_LEVEL": "15"}) == 15
     assert env.dist_settings_from_env({"NUMGUARD_DIST_CHECK": "1", "NUMGUARD_DIST_TIMEOUT": "2.5"}) == {

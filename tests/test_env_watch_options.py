@@ -94,6 +94,7 @@ RULES = {
     "extras": _flag,
     "scaler_skips": _choice("count", "trip"),
     "ops": _flag,
+    "replay": _flag,
 }
 
 
@@ -161,7 +162,7 @@ def _model():
 @pytest.mark.parametrize("option, value", [
     ("trace_batch_nums", "12"), ("backward", "no"), ("extras", "False"),
     ("abort_after_batch_num", True), ("max_frames_to_save", 10 ** 10), ("max_frames_to_save", True),
-    ("report_to", 1), ("dump_dir", 1), ("scaler_skips", "skip"), ("ops", "on"),
+    ("report_to", 1), ("dump_dir", 1), ("scaler_skips", "skip"), ("ops", "on"), ("replay", "on"),
 ])
 def test_watch_refuses_bad_options_and_leaves_no_hook(option, value):
     import numguard

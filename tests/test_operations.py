@@ -112,14 +112,20 @@ def test_log_of_negative_is_named_with_module_and_call_site():
     assert "Last 1 forward frames:" in err.report
 
 
-def test_fp16_exp_overflow_names_the_nested_module():
+def exp_overflow_stack():
+    """A Stack whose first block's exp overflows float16 on an input of ones: exp(4 * 0.5 * 20)."""
     torch.manual_seed(0)
     model = Stack()
-    x = torch.full((2, 4), 1.0)
     with torch.no_grad():
         for block in model.blocks:
             block.proj.weight.fill_(0.5)
             block.proj.bias.zero_()
+    return model
+
+
+def test_fp16_exp_overflow_names_the_nested_module():
+    model = exp_overflow_stack()
+    x = torch.full((2, 4), 1.0)
     insp, err = _trip(model, x)
     op = insp.last_report["operation"]
     assert op["op"] == "aten::exp" and op["site"] == f"{THIS_FILE}:{_line('op: exp')}"
@@ -245,3 +251,118 @@ def test_a_minus_inf_mask_up_to_the_softmax_is_not_a_trip():
         ops = [f for f in insp.held().frames if f[1] == "operations"]
     assert torch.isfinite(out).all() and insp.trips == 0
     assert len(ops) >= 2   # the Linear's addmm and the softmax are still recorded
+
+
+def test_an_operation_trip_names_its_pass_and_headroom_lists_no_operation_frames():
+    model = exp_overflow_stack()
+    insp, err = _trip(model, torch.full((2, 4), 1.0))
+    assert insp.last_report["section"] == "forward"
+    line = next(l for l in err.report.splitlines() if l.startswith("numguard: first non-finite value"))
+    assert line.startswith("numguard: first non-finite value in blocks.0.act (Fp16Exp) output, forward pass,")
+    # Only operation frames held float16 tensors here: they are not listed (they repeat the
+    # module frames' tensors), so there is no headroom section at all.
+    assert "Headroom (" not in err.report
+
+
+# -- backward operations (backward=True, ops=True) -------------------------------------------------
+
+class LogOfGradient(torch.autograd.Function):
+    """Identity forward; the backward takes the log of the saved input: NaN for negative inputs."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 1.0  # op: custom forward
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * torch.log(x)  # op: backward log
+
+
+class BackwardLog(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return LogOfGradient.apply(self.lin(x)) + 1.0
+
+
+class SqrtHead(nn.Module):
+    """sqrt(relu(x)) is finite; its backward divides by 2*sqrt(0) = 0 where x <= 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.sqrt(torch.relu(self.lin(x)))  # op: sqrt
+
+
+def _backward_trip(model, x):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with numguard.watch(model, **quiet(ops=True, backward=True)) as insp:
+        out = model(x)
+        assert insp.trips == 0   # the forward is finite
+        out.sum().backward()
+        assert _get_current_dispatch_mode() is None
+        with pytest.raises(numguard.NonFiniteError) as info:
+            opt.step()   # the check before the optimizer step finds the backward's NaN/Inf
+    return insp, info.value
+
+
+def test_division_by_zero_in_backward_is_named_with_the_node_and_forward_line():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), SqrtHead())
+    insp, err = _backward_trip(model, torch.randn(8, 4))
+    report = insp.last_report
+    op = report["operation"]
+    assert op["op"] == "aten::div" and op["backward_of"] == "SqrtBackward0"
+    assert op["site"] == f"{THIS_FILE}:{_line('op: sqrt')}"
+    assert op["output_abs_max"] == float("inf")
+    assert report["module"] == "1" and report["class"] == "SqrtHead" and report["section"] == "backward"
+    assert (f"numguard: first non-finite operation: aten::div in 1 (SqrtHead) in the backward of SqrtBackward0 "
+            f"(forward at {THIS_FILE}:{_line('op: sqrt')})") in err.report
+    assert "Last " in err.report and "backward operations frames:" in err.report
+    assert "backward pass" in err.report
+
+
+def test_log_of_negative_in_a_custom_backward_is_named():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Identity(), BackwardLog())
+    with torch.no_grad():
+        model[1].lin.bias.fill_(-5.0)   # negative saved inputs: log is NaN in the backward only
+    insp, err = _backward_trip(model, torch.zeros(2, 4))
+    op = insp.last_report["operation"]
+    assert op["op"] == "aten::log" and op["backward_of"] == "LogOfGradientBackward"
+    # Named by the module and line of the forward that made the node (the custom forward's op).
+    assert op["site"] == f"{THIS_FILE}:{_line('op: custom forward')}"
+    assert insp.last_report["module"] == "1" and insp.last_report["class"] == "BackwardLog"
+    assert "aten::log" in str(err)
+
+
+def test_backward_operations_are_not_recorded_without_backward_true():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), SqrtHead())
+    with numguard.watch(model, **quiet(ops=True)) as insp:
+        model(torch.randn(8, 4)).sum().backward()
+        sections = {section for _, section, _ in insp.held().frames}
+    assert "backward operations" not in sections
+    assert torch.autograd.backward.__module__ == "torch.autograd"
+
+
+def test_backward_operations_add_no_host_sync():
+    model = tiny_gpt2(torch.float32)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    opt = train_steps(model, 1, ids)
+    insp = numguard.watch(model, **quiet(ops=True, backward=True))
+    train_steps(model, 1, ids, opt)
+    steps = 2
+    with SyncCounter()() as counter:
+        train_steps(model, steps, ids, opt)
+    held = {section for _, section, _ in insp.held().frames}
+    insp.close()
+    assert "backward operations" in held
+    assert counter.in_hooks == 0, counter.where
+    assert counter.numguard <= steps, counter.where

@@ -23,7 +23,9 @@ from . import frames as _frames
 from .checks import FlagReader
 from .hooks import ModuleHooks, active
 from .options import STDOUT, WatchOptions
+from .history import ModuleHistory
 from .operations import OperationRecorder
+from . import replay as _replay
 from .ring import FrameRing
 from .trips import Reporter
 from .weights import WeightTable
@@ -90,6 +92,10 @@ class Inspector(ModuleHooks):
             gradients is "count"ed (default; not a trip) or a "trip" (numguard.backward).
         ops: also record every aten operation the forward runs (numguard.inspector.operations;
             slower): a trip names the first operation that made a NaN/Inf and its call site.
+            With backward=True, the backward's operations too.
+        replay: keep each module's last inputs and, after a trip, re-run the first bad module in
+            operation mode (numguard.inspector.replay): the report names the operation, or says
+            that the replay did not reproduce the NaN/Inf.
     """
 
     def __init__(self, model: torch.nn.Module, max_frames_to_save=21, trace_batch_nums=(),
@@ -116,6 +122,8 @@ class Inspector(ModuleHooks):
         self._thread = None
         self._backward_watch = None
         self._ops = None
+        self._history = None              # per-module device history for advice() (numguard.inspector.history)
+        self._keeper = None               # replay=True: each module's last inputs (numguard.inspector.replay)
         self._registered = []             # weak refs of the modules counted in _watched
         self._ring = FrameRing(max(64, 8 * opts.max_frames_to_save), _model_device(model),
                                on_drop=self._frames_dropped)
@@ -125,12 +133,17 @@ class Inspector(ModuleHooks):
         try:
             if opts.ops:
                 self._ops = OperationRecorder(self)
+                self._ops.tag_nodes = opts.backward   # name backward operations by forward module
             self._install_hooks(model)
             for module in self._module_names.keys():
                 _watched[module] = _watched.get(module, 0) + 1
                 self._registered.append(weakref.ref(module))
             if opts.backward:
                 self._watch_gradients(model)
+            self._history = ModuleHistory(self._owners, self._ring.device)
+            if opts.replay:
+                self._keep_inputs()
+            self._reporter.annotate = self._annotate_report
         except BaseException:
             self.close(check=False)  # a watch() that fails leaves no hook behind
             raise
@@ -179,6 +192,7 @@ class Inspector(ModuleHooks):
     extras = property(lambda self: self.options.extras)
     scaler_skips = property(lambda self: self.options.scaler_skips)
     ops = property(lambda self: self.options.ops)
+    replay = property(lambda self: self.options.replay)
 
     @property
     def report_to(self):
@@ -282,7 +296,15 @@ class Inspector(ModuleHooks):
         if owner is None:
             owner = self._named[key] = _frames.Owner(-1, module_name, class_name, headroom=self.options.headroom)
         xs, kinds = _frames.flatten_values(values)
-        self._ring.record(owner, xs, list(labels), kinds, section, False, False, self._batch_index())
+        ops = self._ops
+        if ops is None:
+            self._ring.record(owner, xs, list(labels), kinds, section, False, False, self._batch_index())
+            return
+        ops.paused += 1  # numguard's own recording (e.g. a gradient tap in the backward) is no operation
+        try:
+            self._ring.record(owner, xs, list(labels), kinds, section, False, False, self._batch_index())
+        finally:
+            ops.paused -= 1
 
     def check(self, where: str = "batch end") -> None:
         """Look at the trip flag now (check="sync": one tiny device->host read; "async": read the
@@ -326,6 +348,20 @@ class Inspector(ModuleHooks):
         else:
             self._ring.reset_after_trip()
 
+    def backward_ops_start(self) -> bool:
+        """Enter operation mode for a backward (numguard.backward, with ops=True); whether it did."""
+        if self._ops is None or self._closed:
+            return False
+        try:
+            return self._ops.start_backward()
+        except Exception as exc:
+            self._ops_failed(exc)
+            return False
+
+    def backward_ops_stop(self) -> None:
+        """Leave operation mode after a backward that backward_ops_start entered."""
+        self._ops_call("stop")
+
     def _watch_gradients(self, model):
         try:
             from .. import backward as _backward
@@ -362,6 +398,10 @@ class Inspector(ModuleHooks):
         self._ring.move_to(device)
         self._reader.device_moved()
         self._weights.forget()
+        if self._history is not None:
+            self._history.move_to(device)
+        if self._keeper is not None:
+            self._keeper.moved(device)
 
     def _frames_dropped(self, cut):
         self._reader.frames_dropped(cut)
@@ -419,6 +459,11 @@ class Inspector(ModuleHooks):
                 host_ring = self._ring.host_copy()
             self._reporter.handle_trip(status, host_ring, on_report=self._trip_reported)
         else:
+            if self._history is not None:
+                self._fold_history(status.boundary)
+            if self._keeper is not None and status.boundary > 0:
+                # Inputs of confirmed batches can no longer be replayed: let them go now.
+                self._keeper.release_through(self._ring.frames[status.boundary - 1].batch)
             self._ring.keep_context(status.boundary, self.options.max_frames_to_save)
 
     def _guarded(self, fn, *args):
@@ -434,6 +479,56 @@ class Inspector(ModuleHooks):
             self._warn_once(("internal", fn.__name__),
                             f"numguard: {name} failed ({type(exc).__name__}: {exc}); training goes on")
             return None
+
+    # -- precision advice (numguard.inspector.history, numguard.advice) --------------------------
+    def advice(self):
+        """Precision advice from the last batches' history (numguard.advice.Advice; print it for
+        the table): worst first, the modules that will overflow float16, those whose gradients
+        underflow it at the current loss scale (GradScaler's, when backward=True saw one; else 1,
+        assumed), the loss-scale range that keeps every gradient in range, and the modules to keep
+        in float32 / bfloat16 under autocast. One device->host copy of the history."""
+        from .. import advice as _advice
+
+        return _advice.advise(self.history())
+
+    def history(self) -> dict:
+        """The per-module history as plain data (the "history" field of a dump)."""
+        if self._history is None:
+            return {"window": 0, "batches": [], "modules": []}
+        data = self._history.to_dict()
+        scale, source = None, "assumed"
+        scaler = getattr(self._backward_watch, "last_scaler", None)
+        scaler = scaler() if scaler is not None else None
+        if scaler is not None and scaler.is_enabled():
+            scale, source = float(scaler.get_scale()), "GradScaler"
+        data["loss_scale"], data["loss_scale_source"] = scale, source
+        return data
+
+    def _fold_history(self, boundary):
+        frames = self._ring.frames
+        try:
+            self._history.fold(frames[self._ring.last_check_frames:boundary], self._ring)
+        except Exception as exc:  # advice is lost, never the job
+            self._history = None
+            self._warn_once(("history",), f"numguard: the per-module history stopped after an internal error "
+                                          f"({type(exc).__name__}: {exc}); advice() has no data from now on")
+
+    def _annotate_report(self, report, offender):
+        """Fields added to a trip's report before it is rendered: the module history, and with
+        replay=True the replay of the first bad module."""
+        if self._history is not None:
+            report["history"] = self.history()
+        if self._keeper is not None:
+            replayed = _replay.replay(self, self._keeper, offender)
+            if replayed is not None:
+                report["replay"] = replayed
+
+    def _keep_inputs(self):
+        self._keeper = _replay.InputKeeper(self, self._ring.device)
+        for owner in self._owners:
+            module = owner.ref()
+            if module is not None:
+                self._handles.append(self._keeper.hooks(owner, module))
 
     # -- what a subclass may change --------------------------------------------------------------
     def _trip_reported(self, report, frames_after):

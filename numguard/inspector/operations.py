@@ -4,8 +4,14 @@ operation into the Inspector's ring, one ``record_`` launch per operation and no
 frames of the "operations" section. A trip then names the first operation that made a NaN/Inf,
 the module whose forward ran it and the call site (file:line) in the user's code.
 
-Backward operations are not recorded (only the forward between the top module's pre-hook and
-its return).
+With ``backward=True`` too, the operations of the backward are recorded as well (section
+"backward operations"): numguard.backward enters this mode around ``torch.autograd.backward``
+(autograd copies the thread-local dispatch modes active when the backward starts to the threads
+that run it, so the mode also sees a CUDA backward's worker thread). Each backward operation is
+named by the autograd node that ran it (``SqrtBackward0``) and by the module and call site of the
+forward operation that made that node: the forward tags each node with them when a later
+operation consumes its output (inside a dispatch mode an output has no grad_fn yet). Gradients
+computed with ``torch.autograd.grad`` are not recorded as operations (only ``backward()``).
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from torch.utils._pytree import tree_flatten
 from . import frames as _frames
 
 SECTION = "operations"
+BACKWARD_SECTION = "backward operations"
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _NUMGUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _FLOATING = frozenset(d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16,
@@ -83,15 +90,21 @@ def _nonfinite_scalar(values):
     return False
 
 
-class OpOwner(_frames.Owner):
-    """The owner of an operation frame: the module whose forward ran it, the op and the call site."""
-    __slots__ = ("op", "site", "module")
+_TAG = "numguard_op"   # key of an autograd node's metadata: (module owner, call site) of its forward op
+_current_node = torch._C._current_autograd_node
 
-    def __init__(self, module_owner, op, site):
+
+class OpOwner(_frames.Owner):
+    """The owner of an operation frame: the module whose forward ran it, the op and the call site;
+    for a backward operation, `backward_of` names the autograd node that ran it."""
+    __slots__ = ("op", "site", "module", "backward_of")
+
+    def __init__(self, module_owner, op, site, backward_of=None):
         super().__init__(-1, module_owner.name, module_owner.cls, module_owner.ref, headroom=0.0)
         self.op = op
         self.site = site
         self.module = module_owner
+        self.backward_of = backward_of
 
 
 class OperationRecorder(TorchDispatchMode):
@@ -105,6 +118,9 @@ class OperationRecorder(TorchDispatchMode):
         self.paused = 0        # > 0 while numguard itself runs torch code inside the forward
         self.off = False       # an internal error switched operation mode off for this inspector
         self.entered = False
+        self.backward = False   # recording a backward (numguard.backward enters the mode around it)
+        self.tag_nodes = False  # tag autograd nodes for naming backward operations (backward=True)
+        self.produced = {}      # id(output) -> (weakref, (module owner, site)): nodes not tagged yet
         self._owners = {}      # (module owner index, op, site) -> OpOwner
         # id(tensor) -> weakref: tensors non-finite by intent (made with an explicit inf/NaN
         # number, e.g. a -inf attention mask) and what is computed from them up to a softmax.
@@ -130,9 +146,33 @@ class OperationRecorder(TorchDispatchMode):
         if not self.entered:
             return
         self.entered = False
+        self.backward = False
         self.stack = []
         self.intended.clear()
+        if self.produced:
+            self._tag_returned()
         self.__exit__(None, None, None)
+
+    def start_backward(self):
+        """Enter the mode for a backward; False when it is off or already entered."""
+        if self.off or self.entered:
+            return False
+        self.stack = []
+        self.backward = True
+        self.__enter__()
+        self.entered = True
+        return True
+
+    def _tag_returned(self):
+        """Tag the nodes of outputs no operation consumed in the forward (what the model returned)."""
+        try:
+            for ref, info in self.produced.values():
+                x = ref()
+                node = x.grad_fn if x is not None else None
+                if node is not None and _TAG not in node.metadata:
+                    node.metadata[_TAG] = info
+        finally:
+            self.produced.clear()
 
     # -- the mode --------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -149,17 +189,19 @@ class OperationRecorder(TorchDispatchMode):
             self.paused -= 1
         return out
 
-    def _record(self, func, args, kwargs, out):
+    def _pick(self, func, args, kwargs, out):
+        """(op name, tensor inputs, floating outputs, output labels) of an operation worth looking
+        at, or None: no floating output, or non-finite by intent (not a numerics bug)."""
         if type(out) is _Tensor:
             if out.dtype not in _FLOATING:
-                return
+                return None
             outs = [out]
             out_labels = ["output"]
         else:
             flat, _ = tree_flatten(out)
             outs = [x for x in flat if isinstance(x, _Tensor) and x.dtype in _FLOATING]
             if not outs:
-                return
+                return None
             out_labels = [f"output[{i}]" for i in range(len(outs))]
         flat_in, _ = tree_flatten((args, kwargs))
         ins = [x for x in flat_in if isinstance(x, _Tensor)]
@@ -177,17 +219,52 @@ class OperationRecorder(TorchDispatchMode):
                 intended.clear()
             for x in outs:
                 intended[id(x)] = weakref.ref(x)
+            return None
+        return op, kept, outs, out_labels
+
+    def _record(self, func, args, kwargs, out):
+        picked = self._pick(func, args, kwargs, out)
+        if picked is None:
             return
-        ins = kept
+        op, ins, outs, out_labels = picked
         insp = self.inspector
-        module_owner = self.stack[-1] if self.stack else insp._root_owner
-        site = call_site()
-        key = (id(module_owner), op, site)
+        backward_of = None
+        if self.backward:
+            node = _current_node()
+            info = node.metadata.get(_TAG) if node is not None else None
+            module_owner, site = info if info is not None else (insp._root_owner, "")
+            backward_of = node.name() if node is not None else "(autograd engine)"
+            section = BACKWARD_SECTION
+        else:
+            module_owner = self.stack[-1] if self.stack else insp._root_owner
+            site = call_site()
+            section = SECTION
+            if self.tag_nodes:  # also under no_grad: a custom Function's forward makes its output so
+                self._tag(ins, outs, module_owner, site)
+        key = (id(module_owner), op, site, backward_of)
         owner = self._owners.get(key)
         if owner is None:
             if len(self._owners) > 100_000:  # bounded however many call sites a job has
                 self._owners.clear()
-            owner = self._owners[key] = OpOwner(module_owner, op, site)
+            owner = self._owners[key] = OpOwner(module_owner, op, site, backward_of)
         labels = [f"input[{i}]" for i in range(len(ins))] + out_labels
         kinds = [_frames.TENSOR] * len(labels)
-        insp._ring.record(owner, ins + outs, labels, kinds, SECTION, False, False, insp._batches_done)
+        insp._ring.record(owner, ins + outs, labels, kinds, section, False, False, insp._batches_done)
+
+    def _tag(self, ins, outs, module_owner, site):
+        """Tag the nodes of this operation's inputs with the module and site that made them, and
+        remember its outputs for the operation that consumes them."""
+        produced = self.produced
+        for x in ins:
+            node = x.grad_fn
+            if node is not None:
+                metadata = node.metadata
+                if _TAG not in metadata:
+                    hit = produced.pop(id(x), None)
+                    if hit is not None and hit[0]() is x:
+                        metadata[_TAG] = hit[1]
+        if len(produced) > 65536:   # bounded: the oldest untagged outputs are forgotten
+            produced.clear()
+        info = (module_owner, site)
+        for x in outs:
+            produced[id(x)] = (weakref.ref(x), info)

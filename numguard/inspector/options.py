@@ -25,6 +25,7 @@ class WatchOptions:
     extras: bool
     scaler_skips: str
     ops: bool
+    replay: bool
 
     @classmethod
     def from_arguments(cls, **arguments) -> "WatchOptions":

@@ -28,9 +28,19 @@ def _operation_summary(frame):
         shown = _report.shown_abs_min_max(record)[1]
         (inputs if label.startswith("input") else outputs).append(shown)
     bad_out = [v for v in outputs if v != v or v == float("inf")]
-    return {"op": frame["op"], "site": frame["site"],
+    return {"op": frame["op"], "site": frame["site"], "backward_of": frame.get("backward_of"),
             "input_abs_max": max(inputs, key=lambda v: (v != v, v)) if inputs else None,
             "output_abs_max": bad_out[0] if bad_out else (max(outputs) if outputs else None)}
+
+
+def _pass_of(section):
+    """The pass a frame's section belongs to: operation frames are frames of the forward (or
+    backward) pass, and the report says so rather than "operations pass"."""
+    if section == _operations.SECTION:
+        return "forward"
+    if section == _operations.BACKWARD_SECTION:
+        return "backward"
+    return section
 
 
 class Reporter:
@@ -47,6 +57,7 @@ class Reporter:
         self.last_report = None
         self.trip_message = None          # the NonFiniteError text, when the caller wants its own
         self.step_counter = None          # (label, read): a framework's step, shown next to the batch
+        self.annotate = None              # annotate(report, offender index): adds fields before rendering
 
     # -- report dictionaries ---------------------------------------------------------------------
     def frame_record(self, f, host_ring, tables, valid_end):
@@ -91,6 +102,8 @@ class Reporter:
         if op is not None:  # an operation frame (ops=True)
             out["op"] = op
             out["site"] = owner.site
+            if owner.backward_of is not None:
+                out["backward_of"] = owner.backward_of
         return out
 
     def build_report(self, offender, host_ring, found_at=None) -> dict:
@@ -105,7 +118,8 @@ class Reporter:
             count = 0
             j = offender
             # Operation frames: the offender and the few just before it.
-            limit = min(max_frames, OPERATION_FRAMES) if want == _operations.SECTION else max_frames
+            limit = (min(max_frames, OPERATION_FRAMES)
+                     if want in (_operations.SECTION, _operations.BACKWARD_SECTION) else max_frames)
             while j >= floor and count < limit:
                 f = frames[j]
                 if f.section == want:
@@ -132,7 +146,7 @@ class Reporter:
             "batch_number": hf_batch, "batch": batch, "found_at_batch": found_at,
             "check": self.options.check, "check_every": self.options.check_every, "where": self.reader.where,
             "rank": checks.rank(), "ranks": [],
-            "module": off.owner.name, "class": off.owner.cls, "labels": bad, "section": section,
+            "module": off.owner.name, "class": off.owner.cls, "labels": bad, "section": _pass_of(section),
             "max_frames_to_save": max_frames, "headroom": self.options.headroom,
             "backend": ops.backend(), "frames": out_frames,
         }
@@ -163,6 +177,12 @@ class Reporter:
                     module = report["module"]
                     labels = report["labels"]
                     batch = report["batch"]
+                    if self.annotate is not None:
+                        try:
+                            self.annotate(report, offender)
+                        except Exception as exc:  # extra fields never hide the trip
+                            warnings.warn(f"numguard: could not add the history/replay to the report "
+                                          f"({type(exc).__name__}: {exc})", InspectorWarning, stacklevel=5)
                     if on_report is not None:
                         on_report(report, sum(1 for f in self.ring.frames[offender + 1:] if f.hf))
             else:
@@ -191,8 +211,11 @@ class Reporter:
             on_rank = f" on rank {rank}" if rank is not None else ""
             step_text = f" ({step[0]}={step[1]})" if step is not None else ""
             operation = report.get("operation")
-            op_text = (f" by operation {operation['op']}" + (f" at {operation['site']}" if operation["site"] else "")
-                       if operation else "")
+            op_text = f" by operation {operation['op']}{_report.op_where(operation)}" if operation else ""
+            replayed = report.get("replay")
+            if not operation and replayed and replayed.get("reproduced"):
+                op_text = (f" by operation {replayed['op']}" + (f" at {replayed['site']}" if replayed["site"] else "")
+                           + " (found by replay)")
             msg = (f"numguard: inf/nan detected{on_rank} during batch_number={report['batch']}{step_text} in "
                    f"{module if module else '(root module)'} ({report['class']}) "
                    f"[{', '.join(labels)}]{op_text}; the report above shows the frames that led to it")

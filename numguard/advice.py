@@ -1,0 +1,259 @@
+"""Precision advice from a module history (``Inspector.advice()``, ``python -m numguard advise DUMP``).
+
+The history (numguard.inspector.history; the "history" field of a dump) holds, per module and
+batch, the abs max and smallest non-zero magnitude of the forward tensors and of the activation
+gradients. From it this module says, worst first:
+
+* which modules will overflow float16 (their forward abs max against 65504, and how many batches
+  that is away at the growth seen over the history);
+* which modules' gradients fall below float16's smallest normal (6.1e-05) at the current loss
+  scale (the share of elements, exact when the gradients are float16);
+* the loss-scale range that keeps every non-zero gradient in float16's normal range;
+* which modules to keep in float32 / bfloat16 under autocast.
+
+Plain Python: a dump is advised on without torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from .schema import DTYPES
+
+__all__ = ["Advice", "ModuleAdvice", "advise", "AdviceError"]
+
+FP16_MAX = float(DTYPES["float16"].max)
+FP16_TINY = float(DTYPES["float16"].tiny)      # smallest normal
+OVERFLOW_SHARE = 0.125    # forward abs max above this share of fp16's max: keep the module wider
+OVERFLOW_SOON = 100       # batches: an overflow projected this close is a risk now
+UNDERFLOW_SHARE = 0.01    # share of float16 gradient elements that may be subnormal
+_GROWTH_BATCHES = 8       # the growth rate is measured over the last batches of the history
+
+
+class AdviceError(ValueError):
+    """A history numguard cannot advise on (e.g. a dump written without one)."""
+
+
+@dataclasses.dataclass
+class ModuleAdvice:
+    """What the history says about one module (None: not seen)."""
+    name: str
+    cls: str
+    index: int                        # forward order (named_modules order)
+    dtype: str | None                 # dtype of its forward outputs
+    grad_dtype: str | None            # dtype of its activation gradients
+    abs_max: float | None             # largest forward output abs max over the history
+    last_abs_max: float | None        # ... in the last batch it ran
+    input_abs_max: float | None       # largest forward input abs max
+    min_nonzero: float | None         # smallest non-zero forward magnitude
+    fp16_fraction: float | None       # abs_max / float16's largest finite value
+    growth: float | None              # abs max growth per batch (None: not growing)
+    batches_to_overflow: float | None  # at that growth (0: over fp16's max already; None: never)
+    grad_abs_max: float | None
+    grad_min_nonzero: float | None
+    underflow_share: float | None     # share of float16 gradient elements subnormal (float16 grads only)
+    grad_underflows: bool             # its smallest non-zero gradient is below fp16's smallest normal
+    keep: bool = False                # keep in float32 / bfloat16 under autocast
+    reasons: list = dataclasses.field(default_factory=list)   # why to keep it wider
+    notes: list = dataclasses.field(default_factory=list)     # what a loss scale fixes
+
+    @property
+    def carries(self) -> bool:
+        """It passes on large values it received rather than making them (e.g. an activation
+        after the layer that grows): ranked after the module that made them."""
+        return (self.input_abs_max is not None and self.abs_max is not None
+                and self.input_abs_max >= 0.5 * self.abs_max)
+
+
+@dataclasses.dataclass
+class Advice:
+    """Precision advice, worst module first. ``str(advice)`` is the table."""
+    modules: list                     # ModuleAdvice, worst first
+    batches: list                     # batches the history covers, oldest first
+    loss_scale: float
+    loss_scale_source: str            # "GradScaler" or "assumed"
+    scale_range: tuple | None         # (lowest, highest) power-of-two loss scale keeping gradients in range
+    scale_note: str
+    keep_wider: list                  # module names to keep in float32 / bfloat16 under autocast
+
+    def __str__(self) -> str:
+        return render(self)
+
+
+def _is_value(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _values(series):
+    return [v for v in series if _is_value(v)] if isinstance(series, list) else []
+
+
+def _growth(batches, series):
+    """Per-batch growth of the last values of `series` (None when it does not grow)."""
+    points = [(b, v) for b, v in zip(batches, series if isinstance(series, list) else ())
+              if _is_value(v) and v > 0 and _is_value(b)][-_GROWTH_BATCHES:]
+    if len(points) < 2 or points[-1][0] == points[0][0]:
+        return None
+    (b0, v0), (b1, v1) = points[0], points[-1]
+    rate = (v1 / v0) ** (1.0 / (b1 - b0))
+    return rate if rate > 1.01 else None
+
+
+def _check(history):
+    if not isinstance(history, dict) or not isinstance(history.get("modules"), list) \
+            or not isinstance(history.get("batches"), list):
+        raise AdviceError("no module history: advice needs the history numguard keeps while watching "
+                          "(Inspector.advice(), or a dump written by this version of numguard)")
+
+
+def advise(history: dict, loss_scale=None, loss_scale_source=None) -> Advice:
+    """Advice from a history dictionary (see numguard.inspector.history). `loss_scale`: the loss
+    scale the recorded gradients were computed with (default: the history's, else 1, assumed)."""
+    _check(history)
+    if loss_scale is None:
+        loss_scale = history.get("loss_scale")
+        loss_scale_source = history.get("loss_scale_source")
+    if not isinstance(loss_scale, (int, float)) or not math.isfinite(loss_scale) or loss_scale <= 0:
+        loss_scale, loss_scale_source = 1.0, "assumed"
+    loss_scale_source = loss_scale_source or "assumed"
+    batches = history["batches"]
+    rows = []
+    for index, m in enumerate(m for m in history["modules"] if isinstance(m, dict)):
+        out = _values(m.get("out_abs_max"))
+        ins = _values(m.get("in_abs_max"))
+        mins = [v for v in _values(m.get("min_nonzero")) if v > 0]
+        gmax = _values(m.get("grad_abs_max"))
+        gmin = [v for v in _values(m.get("grad_min_nonzero")) if v > 0]
+        share = _values(m.get("grad_subnormal_share"))
+        last = next((v for v in reversed(_values(m.get("out_abs_max")))), None)
+        abs_max = max(out) if out else None
+        fraction = abs_max / FP16_MAX if abs_max is not None else None
+        growth = _growth(batches, m.get("out_abs_max"))
+        if fraction is None:
+            to_overflow = None
+        elif abs_max > FP16_MAX:
+            to_overflow = 0.0
+        elif growth is not None and last:
+            to_overflow = math.log(FP16_MAX / last) / math.log(growth)
+        else:
+            to_overflow = None
+        grad_dtype = m.get("grad_dtype") if isinstance(m.get("grad_dtype"), str) else None
+        grad_min = min(gmin) if gmin else None
+        rows.append(ModuleAdvice(
+            name=str(m.get("name") or ""), cls=str(m.get("class") or ""), index=index,
+            dtype=m.get("dtype") if isinstance(m.get("dtype"), str) else None,
+            grad_dtype=grad_dtype, abs_max=abs_max, last_abs_max=last, input_abs_max=max(ins) if ins else None,
+            min_nonzero=min(mins) if mins else None,
+            fp16_fraction=fraction, growth=growth, batches_to_overflow=to_overflow,
+            grad_abs_max=max(gmax) if gmax else None, grad_min_nonzero=grad_min,
+            underflow_share=(max(share) if share else None) if grad_dtype == "torch.float16" else None,
+            grad_underflows=grad_min is not None and grad_min < FP16_TINY))
+    scale_range, highest, note = _scale_range(rows, loss_scale)
+    for r in rows:
+        if r.batches_to_overflow is not None and r.batches_to_overflow <= OVERFLOW_SOON:
+            n = max(1, math.ceil(r.batches_to_overflow))
+            r.reasons.append("overflows fp16" if r.batches_to_overflow == 0 else
+                             f"overflows fp16 in ~{n} batch{'es' if n > 1 else ''}")
+        elif r.fp16_fraction is not None and r.fp16_fraction >= OVERFLOW_SHARE:
+            r.reasons.append(f"abs max at {r.fp16_fraction:.0%} of fp16's max")
+        if r.grad_min_nonzero is not None and r.grad_abs_max / r.grad_min_nonzero > FP16_MAX / FP16_TINY:
+            r.reasons.append("gradients span more than fp16's range")
+        elif r.grad_min_nonzero is not None and scale_range is None \
+                and r.grad_min_nonzero / loss_scale * highest < FP16_TINY:
+            r.reasons.append(f"gradients underflow even at loss scale {_pow2(highest)}")
+        if r.underflow_share is not None and r.underflow_share >= UNDERFLOW_SHARE:
+            r.notes.append(f"{r.underflow_share:.0%} of gradients subnormal at loss scale {loss_scale:g}")
+        elif r.grad_underflows:
+            r.notes.append(f"gradients below fp16's smallest normal at loss scale {loss_scale:g}")
+        r.keep = bool(r.reasons)
+    rows.sort(key=_risk)
+    return Advice(modules=rows, batches=list(batches), loss_scale=float(loss_scale),
+                  loss_scale_source=loss_scale_source, scale_range=scale_range, scale_note=note,
+                  keep_wider=[r.name for r in rows if r.keep])
+
+
+def _risk(r):
+    """Sort key, worst first: soonest overflow (whole batches), modules that make large values
+    before those that pass them on, largest share of fp16's max, most underflow, forward order."""
+    soon = math.ceil(r.batches_to_overflow) if r.batches_to_overflow is not None else math.inf
+    fraction = r.fp16_fraction or 0.0
+    return (not r.keep, soon, soon != math.inf and r.carries, -(r.underflow_share or 0.0), -fraction, r.index)
+
+
+def _scale_range(rows, scale):
+    """(lowest, highest) power-of-two loss scale that keeps every non-zero activation gradient in
+    float16's normal range (None when none does), the highest scale that does not overflow, and a
+    sentence about it. Float16 gradients cannot show values below its smallest subnormal: with
+    subnormal ones, the lowest scale is a lower bound."""
+    gmax = [r.grad_abs_max for r in rows if r.grad_abs_max]
+    gmin = [r.grad_min_nonzero for r in rows if r.grad_min_nonzero]
+    if not gmax or not gmin:
+        return None, None, "no gradients in the history (watch with backward=True to get loss-scale advice)"
+    true_max, true_min = max(gmax) / scale, min(gmin) / scale
+    lo = 2.0 ** math.ceil(math.log2(FP16_TINY / true_min))
+    hi = 2.0 ** math.floor(math.log2(FP16_MAX / true_max))
+    span = math.log10(true_max / true_min)
+    if lo <= hi:
+        return (lo, hi), hi, (f"loss scales {_pow2(lo)} .. {_pow2(hi)} keep every non-zero gradient in "
+                          f"fp16's normal range (gradients span {span:.1f} decades)")
+    return None, hi, (
+        f"no loss scale keeps every non-zero gradient in fp16's normal range: they span {span:.1f} decades, "
+        f"fp16's normal range 9.0; the largest safe scale is {_pow2(hi)}, and the modules whose gradients "
+        "underflow there are best kept in float32 / bfloat16")
+
+
+def _pow2(x):
+    e = math.log2(x)
+    return f"2^{int(e)}" if e == int(e) else f"{x:.3g}"
+
+
+def _num(v, spec=".2e"):
+    return "-" if v is None else format(v, spec)
+
+
+def render(advice: Advice, limit: int = 20) -> str:
+    """The advice as a table, worst first (`limit` rows)."""
+    b = advice.batches
+    span = f"batches {b[0]}..{b[-1]}" if len(b) > 1 else (f"batch {b[0]}" if b else "no batches")
+    scale = (f"loss scale {advice.loss_scale:g} (from GradScaler)" if advice.loss_scale_source == "GradScaler"
+             else f"loss scale {advice.loss_scale:g} assumed (no GradScaler seen)")
+    lines = [f"numguard precision advice (float16), {len(b)} batches of history ({span}), {scale}:"]
+    header = (f"{'module':40} {'class':18} {'dtype':9} {'abs max':>8} {'% fp16':>8} {'growth':>7} "
+              f"{'overflow':>9} {'grad max':>8} {'grad min':>8} {'subnorm':>7}  advice")
+    lines.append(header)
+    for r in advice.modules[:limit]:
+        if r.batches_to_overflow is None:
+            when = "-"
+        elif r.batches_to_overflow == 0:
+            when = "now"
+        else:
+            when = f"~{max(1, math.ceil(r.batches_to_overflow))} b"
+        growth = f"x{r.growth:.2f}" if r.growth is not None else "-"
+        share = f"{r.underflow_share:.1%}" if r.underflow_share is not None else "-"
+        dtype = (r.dtype or r.grad_dtype or "-").replace("torch.", "")
+        advice_text = ("keep fp32/bf16: " + "; ".join(r.reasons)) if r.keep else (
+            "; ".join(r.notes) if r.notes else "ok in fp16")
+        lines.append(f"{(r.name or '(root)')[:40]:40} {r.cls[:18]:18} {dtype[:9]:9} {_num(r.abs_max):>8} "
+                     f"{_num(r.fp16_fraction, '.1%'):>8} {growth:>7} {when:>9} {_num(r.grad_abs_max):>8} "
+                     f"{_num(r.grad_min_nonzero):>8} {share:>7}  {advice_text}")
+    if len(advice.modules) > limit:
+        lines.append(f"... {len(advice.modules) - limit} more modules (all ok in fp16)" if not any(
+            r.keep for r in advice.modules[limit:]) else f"... {len(advice.modules) - limit} more modules")
+    lines.append("numguard: " + advice.scale_note + (
+        "" if advice.loss_scale_source == "GradScaler" or advice.scale_range is None and not any(
+            r.grad_abs_max for r in advice.modules) else
+        " (gradients taken as computed at loss scale 1: no GradScaler seen)"))
+    under = sorted((r for r in advice.modules if r.notes), key=lambda r: -(r.underflow_share or 0.0))
+    if under:
+        worst = under[0]
+        share = f" {worst.underflow_share:.0%} subnormal" if worst.underflow_share is not None else ""
+        fix = (f"; loss scales {_pow2(advice.scale_range[0])} .. {_pow2(advice.scale_range[1])} keep them normal"
+               if advice.scale_range else "")
+        lines.append(f"numguard: at loss scale {advice.loss_scale:g}, {len(under)} modules' gradients fall below "
+                     f"fp16's smallest normal (worst: {worst.name or '(root)'}{share}){fix}")
+    if advice.keep_wider:
+        lines.append("numguard: under autocast, keep in float32 / bfloat16: " + ", ".join(
+            n or "(root)" for n in advice.keep_wider))
+    else:
+        lines.append("numguard: every watched module stays in float16's range over this history")
+    return "\n".join(lines)

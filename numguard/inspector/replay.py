@@ -1,0 +1,216 @@
+"""Replay on trip (``watch(model, replay=True)`` / ``NUMGUARD_REPLAY=1``): name the first bad
+operation without paying for operation mode at every step.
+
+While watching, a forward pre-hook on each module keeps the inputs of its last call (references,
+not copies: nothing is copied on the device), their version counters and the state of the random
+generator of the model's device. After a trip, the first module with a non-finite value is run
+again on those inputs, with gradients off, the generator state restored and its buffers restored
+afterwards, under a dispatch mode that looks at each operation's output: the first operation
+whose output is non-finite is added to the report.
+
+The replay says so instead of guessing when it cannot be trusted: an input changed in place after
+the call (its version counter moved), the module's last call is not the call that tripped (a
+later call, or a later batch), or the replay gives finite values (the NaN/Inf did not reproduce:
+dropout or another random draw, a data race, or state the module changed).
+
+Memory: the kept references hold each module's last inputs (at most one call per module) only
+until the check that finds their batch healthy, which lets them go. With gradients on, autograd
+holds most of them for the backward anyway; under no_grad the tensor arguments are held weakly
+(holding them would keep a whole forward's activations alive), so a replay needs them to still be
+alive at the trip, and says so when they are not.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+
+from . import operations as _operations
+
+_Tensor = torch.Tensor
+
+
+def _generator(device):
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else
+                                             torch.cuda.current_device()]
+    return torch.default_generator
+
+
+class InputKeeper:
+    """The last call of each watched module: (args, kwargs, versions, batch, generator state)."""
+
+    def __init__(self, inspector, device):
+        self.inspector = inspector
+        self.calls = {}   # owner index -> (args, kwargs, versions, batch, rng state)
+        self.generator = _generator(device)
+
+    def hooks(self, owner, module):
+        return module.register_forward_pre_hook(functools.partial(self._keep, owner), with_kwargs=True)
+
+    def _keep(self, owner, module, args, kwargs):
+        # One tuple per call: references, version counters, the generator state (no device work).
+        try:
+            versions = tuple(x._version if type(x) is _Tensor else None for x in args)
+            if not _grad_enabled():
+                # Without autograd holding them, a strong reference would keep every activation of
+                # the forward alive until the check: keep weak ones (a freed input: no replay).
+                args = tuple(_Weak(x) if type(x) is _Tensor else x for x in args)
+                kwargs = {k: _Weak(v) if type(v) is _Tensor else v for k, v in kwargs.items()}
+            self.calls[owner.index] = (args, kwargs, versions, self.inspector._batches_done,
+                                       self.generator.get_state())
+        except Exception:   # e.g. inference tensors have no version counter: not replayable
+            self.calls.pop(owner.index, None)
+        return None
+
+    def release_through(self, batch):
+        """Forget the calls of batches up to `batch` (a check found them healthy), so that the
+        kept references do not hold a batch's activations alive longer than the batch."""
+        calls = self.calls
+        if all(call[3] <= batch for call in calls.values()):
+            calls.clear()
+        else:
+            self.calls = {k: call for k, call in calls.items() if call[3] > batch}
+
+    def moved(self, device):
+        self.generator = _generator(device)
+        self.calls.clear()
+
+
+_grad_enabled = torch.is_grad_enabled
+
+
+class _Weak(weakref.ref):
+    """A kept input held weakly (a forward under no_grad)."""
+    __slots__ = ()
+
+
+def _resolve(args, kwargs):
+    """The kept inputs with weak references resolved; None when one was freed."""
+    args = tuple(a() if type(a) is _Weak else a for a in args)
+    kwargs = {k: v() if type(v) is _Weak else v for k, v in kwargs.items()}
+    if any(a is None for a in args) or any(v is None for v in kwargs.values()):
+        return None
+    return args, kwargs
+
+
+class ReplayRecorder(_operations.OperationRecorder):
+    """Operation mode for a replay: instead of recording, it looks at each output on the host
+    (a replay runs once, after a trip) and keeps the first non-finite one."""
+
+    def __init__(self, inspector, top_owner):
+        super().__init__(inspector)
+        self.top = top_owner
+        self.found = None   # (op, site, module owner)
+        self.entered = True
+
+    def _record(self, func, args, kwargs, out):
+        if self.found is not None:
+            return
+        picked = self._pick(func, args, kwargs, out)
+        if picked is None:
+            return
+        op, _, outs, _ = picked
+        if any(x.numel() and not bool(torch.isfinite(x).all()) for x in outs):
+            self.found = (op, _operations.call_site(), self.stack[-1] if self.stack else self.top)
+
+
+def _later_call(frames, offender):
+    owner = frames[offender].owner
+    return any(f.owner is owner and f.section == "forward" for f in frames[offender + 1:])
+
+
+def replay(inspector, keeper, offender) -> dict | None:
+    """Re-run the module of the offending frame `offender` on its kept inputs; the report's
+    "replay" field (None when there is nothing to replay: an operation frame names it already)."""
+    frames = inspector._ring.frames
+    frame = frames[offender]
+    owner = frame.owner
+    if isinstance(owner, _operations.OpOwner):
+        return None
+    result = {"module": owner.name, "class": owner.cls, "reproduced": False, "op": None, "site": None,
+              "op_module": None, "op_class": None, "reason": ""}
+    module = owner.ref() if owner.ref is not None else None
+    if frame.section != "forward" or module is None or owner.index < 0:
+        where = f"the {frame.section} pass" if frame.section != "forward" else "a frame of record_frame"
+        result["reason"] = f"the first non-finite value is in {where}; replay re-runs module forwards only"
+        return result
+    call = keeper.calls.get(owner.index)
+    if call is None:
+        result["reason"] = "no call of it was kept"
+        return result
+    args, kwargs, versions, batch, rng = call
+    if batch != frame.batch or _later_call(frames, offender):
+        result["reason"] = ("its inputs kept are those of a later call than the one that tripped "
+                            f"(batch {batch})")
+        return result
+    resolved = _resolve(args, kwargs)
+    if resolved is None:
+        result["reason"] = ("its inputs were freed after the call: a forward without gradients keeps "
+                            "no activation alive, so numguard held them only weakly (use ops=True to "
+                            "name the operation in such forwards)")
+        return result
+    args, kwargs = resolved
+    for i, (x, version) in enumerate(zip(args, versions)):
+        if version is not None and x._version != version:
+            result["reason"] = (f"input[{i}] was changed in place after the call (its version counter "
+                                "moved), so its values are no longer those the module saw")
+            return result
+    try:
+        found = _run(inspector, keeper, module, owner, args, kwargs, rng)
+    except Exception as exc:   # numguard's replay must never hide the trip
+        result["reason"] = f"the replay raised {type(exc).__name__}: {exc}"
+        return result
+    if found is None:
+        result["reason"] = ("its forward on the same inputs (grad off, random state restored) gave "
+                            "finite values: the NaN/Inf did not reproduce (dropout or another random "
+                            "draw, a data race, or state the module changed since)")
+        return result
+    op, site, op_owner = found
+    result.update(reproduced=True, op=op, site=site, op_module=op_owner.name, op_class=op_owner.cls)
+    return result
+
+
+def _run(inspector, keeper, module, owner, args, kwargs, rng):
+    owners = {}
+    for o in inspector._owners:
+        m = o.ref() if o.ref is not None else None
+        if m is not None:
+            owners.setdefault(id(m), o)
+    recorder = ReplayRecorder(inspector, owner)
+    handles = []
+    for sub in module.modules():
+        sub_owner = owners.get(id(sub))
+        if sub_owner is not None:
+            handles.append(sub.register_forward_pre_hook(
+                functools.partial(_operations_push, recorder, sub_owner)))
+            handles.append(sub.register_forward_hook(
+                functools.partial(_operations_pop, recorder, sub_owner), always_call=True))
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    generator = keeper.generator
+    state = generator.get_state()
+    closed, depth = inspector._closed, inspector._depth
+    inspector._closed = True    # the inspector's own hooks stay quiet during the replay
+    inspector._depth = depth + 1
+    try:
+        generator.set_state(rng)
+        with torch.no_grad(), recorder:
+            module(*args, **kwargs)
+    finally:
+        inspector._closed, inspector._depth = closed, depth
+        generator.set_state(state)
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for h in handles:
+            h.remove()
+    return recorder.found
+
+
+def _operations_push(recorder, owner, module, args):
+    recorder.push(owner)
+
+
+def _operations_pop(recorder, owner, module, args, output):
+    recorder.pop(owner)

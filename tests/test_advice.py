@@ -1,0 +1,243 @@
+"""Precision advice: the per-module device history (numguard.inspector.history), Inspector.advice()
+and `python -m numguard advise DUMP` (numguard.advice)."""
+import glob
+import json
+import math
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import numguard
+from numguard import advice as _advice
+from numguard import cli
+from numguard.inspector import history as _history
+from inspector_helpers import SyncCounter, quiet, tiny_gpt2, train_steps
+
+
+class Growing(nn.Module):
+    """Three float16 Linears; the middle one's weight doubles at every step (a diverging layer),
+    followed by a ReLU that only passes its values on."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(8, 8)
+        self.grows = nn.Linear(8, 8)
+        self.act = nn.ReLU()
+        self.last = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.last(self.act(self.grows(self.first(x))))
+
+
+def _train_growing(steps, **options):
+    model = Growing().to(torch.float16)
+    with torch.no_grad():
+        model.grows.weight.abs_()
+        model.grows.bias.zero_()   # so that its output doubles exactly
+    x = torch.full((4, 8), 1.0, dtype=torch.float16)
+    insp = numguard.watch(model, **quiet(**options))
+    for _ in range(steps):
+        out = model(x)
+        if options.get("backward"):
+            out.float().sum().backward()
+            model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            model.grows.weight.mul_(2)
+    return model, insp
+
+
+def test_demo_advice_names_the_diverging_module_first(capsys):
+    from numguard import demo
+    assert demo.main(["--steps", "40"]) == 0
+    out = capsys.readouterr().out
+    advice = out.split("numguard precision advice")[1].splitlines()
+    assert advice[1].startswith("module ")
+    first = advice[2]
+    assert first.startswith("transformer.h.1.mlp.c_fc ") and "keep fp32/bf16: overflows fp16" in first
+    assert "x2.00" in first   # the weight doubles at every step
+
+
+def test_inspector_advice_ranks_the_growing_layer_first_and_projects_its_overflow():
+    model, insp = _train_growing(6)
+    result = insp.advice()
+    insp.close()
+    first = result.modules[0]
+    assert first.name == "grows" and first.keep
+    assert first.growth == pytest.approx(2.0, rel=1e-3)
+    # 6 batches recorded, abs max doubling: the projection is log2(65504 / last abs max).
+    assert first.batches_to_overflow == pytest.approx(math.log2(65504 / first.last_abs_max), rel=1e-6)
+    # The ReLU after it holds the same values but only passes them on: ranked after the maker.
+    names = [m.name for m in result.modules]
+    assert names.index("act") > names.index("grows")
+    assert result.batches == list(range(6))
+    assert "grows" in result.keep_wider and "first" not in result.keep_wider
+    text = str(result)
+    assert text.splitlines()[2].startswith("grows ")
+
+
+def test_history_values_are_the_recorded_abs_max_per_batch():
+    model, insp = _train_growing(3)
+    data = insp.history()
+    insp.close()
+    grows = next(m for m in data["modules"] if m["name"] == "grows")
+    x = torch.full((4, 8), 1.0, dtype=torch.float16)
+    with torch.no_grad():
+        w = model.grows.weight.detach().clone()
+        expected = []
+        for step in range(3):
+            w_then = w / (2 ** (3 - step))
+            h = model.first(x)
+            expected.append(float((h @ w_then.t() + model.grows.bias).abs().max()))
+    assert grows["out_abs_max"] == pytest.approx(expected, rel=1e-3)
+    assert grows["dtype"] == "torch.float16" and grows["grad_dtype"] is None
+    assert data["loss_scale"] is None and data["loss_scale_source"] == "assumed"
+
+
+def test_history_is_bounded_to_its_window():
+    model = nn.Sequential(nn.Linear(2, 2))
+    with numguard.watch(model, **quiet()) as insp:
+        for _ in range(_history.WINDOW + 10):
+            model(torch.randn(1, 2))
+        data = insp.history()
+    assert data["batches"] == list(range(10, _history.WINDOW + 10))
+    assert all(len(m["out_abs_max"]) == _history.WINDOW for m in data["modules"])
+
+
+def test_gradients_and_the_loss_scale_of_a_grad_scaler():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    with numguard.watch(model, **quiet(backward=True)) as insp:
+        for _ in range(3):
+            loss = model(torch.randn(16, 4)).pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+        result = insp.advice()
+        data = insp.history()
+    assert data["loss_scale_source"] == "GradScaler" and data["loss_scale"] == scaler.get_scale()
+    assert result.loss_scale == scaler.get_scale() and result.loss_scale_source == "GradScaler"
+    lin = next(m for m in result.modules if m.name == "2")
+    assert lin.grad_abs_max is not None and lin.grad_dtype == "torch.float32"
+    # The scale range follows from the gradients seen, taken back to scale 1.
+    gmax = max(m.grad_abs_max for m in result.modules if m.grad_abs_max) / result.loss_scale
+    gmin = min(m.grad_min_nonzero for m in result.modules if m.grad_min_nonzero) / result.loss_scale
+    lo, hi = result.scale_range
+    assert lo == 2.0 ** math.ceil(math.log2(6.103515625e-05 / gmin))
+    assert hi == 2.0 ** math.floor(math.log2(65504.0 / gmax))
+    assert "from GradScaler" in str(result)
+
+
+def _history_of(gmax, gmin, scale=None, share=0.0, grad_dtype="torch.float32"):
+    return {"window": 4, "batches": [0], "loss_scale": scale, "loss_scale_source": "GradScaler" if scale else "assumed",
+            "modules": [{"name": "a", "class": "Linear", "dtype": "torch.float16", "grad_dtype": grad_dtype,
+                         "out_abs_max": [1.0], "in_abs_max": [1.0], "min_nonzero": [0.5],
+                         "grad_abs_max": [gmax], "grad_min_nonzero": [gmin], "grad_subnormal_share": [share]}]}
+
+
+@pytest.mark.parametrize("scale", [None, 1024.0])
+def test_scale_range_from_known_gradients(scale):
+    s = scale or 1.0
+    result = _advice.advise(_history_of(1.0 * s, 1e-6 * s, scale))
+    assert result.scale_range == (64.0, 32768.0)   # 6.1e-5 / 1e-6 -> 2^6; 65504 / 1 -> 2^15
+    assert result.loss_scale == s
+    assert ("assumed" in str(result)) == (scale is None)
+
+
+def test_gradients_wider_than_fp16_have_no_scale_and_are_kept_wide():
+    result = _advice.advise(_history_of(10.0, 1e-12))
+    assert result.scale_range is None
+    assert result.keep_wider == ["a"] and "more than fp16's range" in result.modules[0].reasons[0]
+    assert "no loss scale keeps every non-zero gradient" in str(result)
+
+
+def test_float16_gradient_underflow_share_is_a_note_not_a_keep():
+    result = _advice.advise(_history_of(1e-3, 5.96e-08, share=0.4, grad_dtype="torch.float16"))
+    m = result.modules[0]
+    assert m.underflow_share == 0.4 and not m.keep
+    assert "40% of gradients subnormal at loss scale 1" in str(result)
+
+
+def test_no_history_is_a_clear_error():
+    with pytest.raises(_advice.AdviceError, match="no module history"):
+        _advice.advise(None)
+    with pytest.raises(_advice.AdviceError):
+        _advice.advise({"modules": "x", "batches": []})
+
+
+def test_hostile_values_in_a_history_are_skipped():
+    h = _history_of(1.0, 1e-6)
+    h["modules"][0]["out_abs_max"] = ["abc", None, float("nan"), True]
+    result = _advice.advise(h)
+    assert result.modules[0].abs_max is None and not result.modules[0].keep
+
+
+def test_history_folds_without_host_syncs_in_hooks():
+    model = tiny_gpt2(torch.float32)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    opt = train_steps(model, 1, ids)
+    insp = numguard.watch(model, **quiet(backward=True))
+    train_steps(model, 1, ids, opt)
+    steps = 3
+    with SyncCounter()() as counter:
+        train_steps(model, steps, ids, opt)
+    data = insp.history()
+    insp.close()
+    assert counter.in_hooks == 0, counter.where
+    assert counter.numguard <= steps, counter.where   # the one check read per step, nothing more
+    assert len(data["batches"]) == steps + 1
+    assert any(m["grad_abs_max"][-1] for m in data["modules"])
+
+
+def test_advise_command_on_a_dump(tmp_path, capsys):
+    model, insp = _train_growing(5, on_trip="dump", dump_dir=str(tmp_path))
+    with pytest.warns(numguard.errors.NonFiniteWarning):
+        for _ in range(30):
+            model(torch.full((4, 8), 1.0, dtype=torch.float16))
+            if insp.trips:
+                break
+            with torch.no_grad():
+                model.grows.weight.mul_(2)
+    insp.close(check=False)
+    (path,) = glob.glob(os.path.join(tmp_path, "*.json"))
+    with open(path) as f:
+        assert "history" in json.load(f)
+    capsys.readouterr()
+    assert cli.main(["advise", path, "--plot", str(tmp_path / "advice.png")]) == 0
+    out = capsys.readouterr().out
+    rows = out.splitlines()
+    assert rows[0].startswith("numguard precision advice (float16)")
+    assert rows[2].startswith("grows ") and "keep fp32/bf16" in rows[2]
+    assert os.path.getsize(tmp_path / "advice.png") > 1000
+    # The report command still renders the same dump.
+    assert cli.main(["report", path]) == 0
+
+
+def test_advise_command_errors(tmp_path, capsys):
+    assert cli.main(["advise", str(tmp_path / "missing.json")]) == 2
+    assert "is not a file" in capsys.readouterr().err
+    old = {"format": "numguard-report", "version": 1, "batch_number": 0,
+           "frames": [{"name": "", "class": "M", "labels": [], "kinds": [], "records": []}]}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    assert cli.main(["advise", str(path)]) == 2
+    assert "no module history" in capsys.readouterr().err
+
+
+def test_a_failing_history_warns_once_and_training_goes_on(monkeypatch):
+    def broken(self, frames, ring):
+        raise RuntimeError("fold failed")
+    monkeypatch.setattr(_history.ModuleHistory, "fold", broken)
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.warns(numguard.errors.InspectorWarning, match="history stopped.*fold failed") as caught:
+        with numguard.watch(model, **quiet()) as insp:
+            for _ in range(3):
+                model(torch.randn(1, 2))
+            result = insp.advice()
+    assert sum("history stopped" in str(w.message) for w in caught) == 1
+    assert result.modules == [] and insp.batches_finished == 3
