@@ -430,6 +430,11 @@ VARIABLES = (
              "(default: the best the CPU has)",
              "avx512, avx2 or baseline (any case; the C++ kernels read it the same way)",
              _choice(*CPU_ISA_CHOICES), None),
+    # --- cross-rank numerics (numguard.distributed.replicas) ---
+    Variable("NUMGUARD_REPLICA_CHECK",
+             "every N steps, check that the data-parallel replicas of the parameters and their "
+             "gradients are bitwise identical on every rank (default 0: off)",
+             _BATCH_MIN0.accepted, _BATCH_MIN0, 0, "replicas"),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
 
@@ -634,6 +639,11 @@ def _report_to(value):
                                           "callable taking the report text, or None for nowhere")
 
 
+def _replicas(value):
+    return _integer("replicas", value, 0, MAX_BATCH_NUMBER, _MAX_BATCH_WHY,
+                    also=": check the replicas every N steps, or 0 to turn the check off")
+
+
 # The one copy of watch()'s defaults (the inspector imports them). Read-only.
 WATCH_DEFAULTS = types.MappingProxyType({
     "max_frames_to_save": 21,
@@ -649,6 +659,7 @@ WATCH_DEFAULTS = types.MappingProxyType({
     "extras": True,
     "scaler_skips": "count",
     "ops": False,
+    "replicas": 0,
 })
 
 # option -> validator(value) -> normalized value; raises OptionError.
@@ -666,6 +677,7 @@ WATCH_VALIDATORS = types.MappingProxyType({
     "extras": _flag("extras"),
     "scaler_skips": _one_of("scaler_skips", ("count", "trip")),
     "ops": _flag("ops"),
+    "replicas": _replicas,
 })
 assert WATCH_VALIDATORS.keys() == WATCH_DEFAULTS.keys()
 

@@ -94,6 +94,7 @@ RULES = {
     "extras": _flag,
     "scaler_skips": _choice("count", "trip"),
     "ops": _flag,
+    "replicas": _int_in(0, env.MAX_BATCH_NUMBER),
 }
 
 

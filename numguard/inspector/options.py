@@ -25,6 +25,7 @@ class WatchOptions:
     extras: bool
     scaler_skips: str
     ops: bool
+    replicas: int = 0   # numguard.distributed.replicas: check every N steps (0: off)
 
     @classmethod
     def from_arguments(cls, **arguments) -> "WatchOptions":
