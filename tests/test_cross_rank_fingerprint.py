@@ -140,7 +140,16 @@ def test_digest_is_additive_over_pieces():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bad_input_is_named(backend):
+def test_no_host_sync(backend):
+    from numguard.testing import SyncCounter
+    xs = [hostile(torch.float16, 1000), hostile(torch.int32, 10)[::2], torch.zeros(0)]
+    counter = SyncCounter()
+    with counter():
+        fingerprint(xs, backend)
+    assert counter.total == 0, counter.where
+
+
+def test_bad_input_is_named():
     with pytest.raises(TypeError, match=r"xs\[1\].*complex"):
         ops.multi_tensor_fingerprint([torch.zeros(2), torch.zeros(2, dtype=torch.complex64)])
 
@@ -159,3 +168,40 @@ def test_meta_tensor_gives_a_shape_only():
         pytest.skip("the fake kernel is registered with the native extension")
     out = torch.ops.numguard.multi_tensor_fingerprint.default([torch.empty(5, device="meta")] * 3)
     assert out.shape == (3,) and out.dtype == torch.int64
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA (run by benchmarks/gpu_check.sh on a GPU machine; skipped without one)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or ops.backend() != "native",
+                                reason="needs a CUDA device and the native kernels")
+
+
+@needs_cuda
+def test_cuda_equals_cpu_on_every_dtype_and_layout_without_host_sync():
+    views = [lambda x: x, lambda x: x[::3], lambda x: x.reshape(50, 100).t(),
+             lambda x: x[:1].reshape(()), lambda x: x[:0], lambda x: x[5:6].expand(4, 7)]
+    cpu, gpu = [], []
+    for dtype in DTYPES:
+        x = hostile(dtype, 5000)
+        xg = x.cuda()
+        cpu += [v(x) for v in views]
+        gpu += [v(xg) for v in views]
+    big = torch.randn(3_000_001)  # several blocks per tensor
+    cpu.append(big)
+    gpu.append(big.cuda())
+    want = ops.multi_tensor_fingerprint(cpu).tolist()  # more than one launch (48 tensors each)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = ops.multi_tensor_fingerprint(gpu)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got.device.type == "cuda" and got.tolist() == want
+
+
+@needs_cuda
+def test_cuda_result_is_the_same_every_run():
+    x = torch.randn(10_000_000, device="cuda")
+    runs = {tuple(ops.multi_tensor_fingerprint([x, x.half(), x[::5]]).tolist()) for _ in range(5)}
+    assert len(runs) == 1
