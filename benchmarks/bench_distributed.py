@@ -200,16 +200,19 @@ def _cross_rank_worker(out: str, iters: int, reps: int) -> None:
         step()
         step_times.append(perf() - t0)
 
-    # the device-side fold over the frames of one step (the ring holds its frames until a check)
-    ring = insp._ring
-    ring.last_check_frames = 0
+    insp.close(check=False)
+    # the device-side fold over the frames of one whole step: an inspector that has not checked
+    # yet holds them all
+    held = numguard.watch(ddp, report_to=None, check_every=10 ** 6)
+    step()
+    ring = held._ring
     fold = []
     for _ in range(iters):
         t0 = perf()
         checks.batch_numbers(ring)
         fold.append((perf() - t0) * 1e6)
-    frames = len(ring.frames)
-    insp.close(check=False)
+    frames = len(ring.frames) - ring.last_check_frames
+    held.close(check=False)
 
     flag = torch.zeros((), dtype=torch.int64)
     numbers = [0.0, 1e-3, 1e-4, 1e-9, 0.0, 0.01]
