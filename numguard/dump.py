@@ -53,6 +53,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 
 from . import report as _report
 
@@ -97,7 +98,6 @@ def write(report: dict, dump_dir=None, rank=None) -> str:
 def _with_outliers(report: dict) -> dict:
     """The report with the "outliers" field of a distributed job (numguard.distributed.numerics,
     when it is in use); a report that has one keeps it."""
-    import sys
     numerics = sys.modules.get("numguard.distributed.numerics")
     if numerics is None or "outliers" in report:
         return report

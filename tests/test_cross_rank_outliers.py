@@ -97,6 +97,13 @@ def test_healthy_job_names_no_outlier_and_reads_the_state_once_per_check():
             assert checks >= STEPS and events == one_check * checks, events
 
 
+def test_async_checks_carry_the_numbers_too():
+    for r in run("async", 2):
+        assert r["outliers"] == []
+        assert [row["rank"] for row in r["numbers"]] == [0, 1]
+        assert all(0 < row["activation_headroom"] < 1e-30 for row in r["numbers"])
+
+
 def test_rank_fed_scaled_data_is_named_as_activation_outlier():
     results = run("scaled", 2)
     for r in results:
@@ -149,8 +156,9 @@ def worker(scenario):
     logging.getLogger("numguard.distributed.numerics").addHandler(Keep())
     ddp = torch.nn.parallel.DistributedDataParallel(_model(torch))
     on_trip = "dump" if scenario == "dump" else "raise"
-    insp = numguard.watch(ddp, backward=True, on_trip=on_trip, dump_dir=os.environ["NG_TMP"],
-                          report_to=None)
+    insp = numguard.watch(ddp, backward=scenario != "async", on_trip=on_trip,
+                          check="async" if scenario == "async" else "sync",
+                          dump_dir=os.environ["NG_TMP"], report_to=None)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(rank)
     counter = SyncCounter()

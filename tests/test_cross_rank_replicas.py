@@ -87,7 +87,7 @@ def test_a_data_parallel_group_other_than_the_world():
             assert f["parameters"][0]["name"] == "module.fc1.bias"
 
 
-def test_option_is_validated_and_off_by_default():
+def test_option_is_validated_and_off_by_default(monkeypatch):
     import numguard
     import torch
     model = torch.nn.Linear(2, 2)
@@ -95,6 +95,30 @@ def test_option_is_validated_and_off_by_default():
         assert insp.options.replicas == 0
     with pytest.raises(ValueError, match="replicas"):
         numguard.watch(model, replicas=-1)
+    monkeypatch.setenv("NUMGUARD_REPLICA_CHECK", "7")
+    with numguard.watch(model) as insp:
+        assert insp.options.replicas == 7
+    monkeypatch.setenv("NUMGUARD_REPLICA_CHECK", "often")
+    with pytest.raises(ValueError, match="NUMGUARD_REPLICA_CHECK"):
+        numguard.watch(model)
+
+
+def test_sharded_parameters_are_skipped_and_hooks_go_with_close():
+    import numguard
+    import torch
+    from numguard.distributed import ReplicaSentinel
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    model[1].weight._is_flat_param = True  # how FSDP marks its flat (sharded) parameters
+    sentinel = ReplicaSentinel(model, every=5)
+    assert sentinel.names == ["0.weight", "0.bias", "1.bias"] and sentinel.skipped == ["1.weight"]
+    assert sentinel.check("parameters", sentinel.params) is None  # no process group: nothing to compare
+    sentinel.remove()
+    assert not model._forward_pre_hooks
+    with numguard.watch(model, replicas=3, report_to=None) as insp:
+        (sentinel,) = [h for h in insp._handles if isinstance(h, ReplicaSentinel)]
+        assert sentinel.every == 3 and sentinel.on_trip == "raise"
+        assert len(model._forward_pre_hooks) >= 1
+    assert not model._forward_pre_hooks
 
 
 # ---------------------------------------------------------------------------------------------

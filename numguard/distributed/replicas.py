@@ -13,15 +13,16 @@ One check: one ``numguard.ops.multi_tensor_fingerprint`` launch over the paramet
 64-bit digest per tensor, no host sync), digests folded into at most ``BUCKETS`` buckets by
 wrapping addition, then ONE all_reduce(MAX) of ``[bucket digests, ~bucket digests]`` on numguard's
 own gloo group: the max of ``~d`` is ``~min(d)``, so every rank learns whether min == max per
-bucket (on CUDA this costs one device->host copy of the buckets per check). Only on a mismatch do
-the ranks all_gather every digest (naming the parameters and the minority ranks), then for at most
-``DETAILED`` offending parameters share the reference rank's bits (an all_reduce of its int64 bit
-view) and count the elements that differ and the largest difference in ulps.
+bucket (on CUDA the check reads the digests to the host: one small device->host copy every
+``every`` steps, none in between). Only on a mismatch do the ranks all_gather every digest
+(naming the parameters and the minority ranks), then for at most ``DETAILED`` offending
+parameters share the reference rank's bits (an all_reduce of its int64 bit view) and count the
+elements that differ and the largest difference in ulps.
 
 Sharded parameters (DTensor, FSDP's flat parameters) are skipped: their shards differ by design.
 On a finding: ``on_trip="raise"`` raises :class:`ReplicaDivergenceError` on every rank of the
 group in the same step; ``"warn"`` warns (:class:`CrossRankWarning`, and numguard's distributed
-logger); ``"dump"`` also writes ``numguard-replicas-rank<R>-step<S>.json`` with every rank's
+logger); ``"dump"`` also writes ``numguard-replicas-rank<R>-<kind>-<N>.json`` with every rank's
 fingerprint table. numguard's own failures warn once and stop the sentinel.
 """
 from __future__ import annotations
@@ -114,7 +115,8 @@ class ReplicaSentinel:
         self.skipped = skipped
         self._ids = {id(p) for p in self.params}
         self._owns = weakref.WeakKeyDictionary()  # optimizer -> holds one of our parameters
-        self._handles = [model.register_forward_pre_hook(self._before_forward)]
+        # prepend: the check runs (and may raise) before the inspector's own root hook opens a batch
+        self._handles = [model.register_forward_pre_hook(self._before_forward, prepend=True)]
         if gradients:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
             self._handles.append(register_optimizer_step_pre_hook(self._before_step))
@@ -270,6 +272,7 @@ class ReplicaSentinel:
 
     # -- reporting --------------------------------------------------------------------------------
     def _report(self, st, finding) -> None:
+        finding["step_stopped"] = finding["kind"] == "gradients" and self.on_trip == "raise"
         keys = {(finding["kind"], m["name"], tuple(m["minority_ranks"])) for m in finding["parameters"]}
         if keys <= self._known:  # training went on with a divergence already reported
             return
@@ -316,8 +319,8 @@ def describe(finding: dict) -> str:
         parts.append(text)
     head = (f"numguard.distributed: data-parallel replicas diverged ({kind} checked at {at}, ranks "
             f"{finding['ranks']}): ")
-    tail = ("" if kind == "parameters" else
-            " The gradients were checked before the optimizer step: the step has not run.")
+    tail = (" The gradients were checked before the optimizer step: the step has not run."
+            if finding.get("step_stopped") else "")
     return head + "; ".join(parts) + "." + tail
 
 
