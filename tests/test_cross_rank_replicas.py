@@ -39,6 +39,7 @@ def test_one_ulp_nudge_on_one_rank_is_named_at_the_next_check():
         assert r["error"] == "ReplicaDivergenceError", r
         f = r["finding"]
         assert f["kind"] == "parameters" and f["when"] == "forward #2"  # nudged before forward #2
+        assert f["batch_number"] == 2
         (m,) = f["parameters"]
         assert m["name"] == "module.fc2.weight"
         assert m["minority_ranks"] == [2] and m["majority_ranks"] == [0, 1, 3]
@@ -53,6 +54,7 @@ def test_corrupted_gradient_all_reduce_is_found_before_the_optimizer_step():
         assert r["error"] == "ReplicaDivergenceError", r
         f = r["finding"]
         assert f["kind"] == "gradients" and f["when"] == "optimizer step #2"
+        assert f["batch_number"] == 2
         (m,) = f["parameters"]  # the hook nudged the first element of the one gradient bucket
         assert m["minority_ranks"] == [1] and m["majority_ranks"] == [0] and m["tie"]
         assert m["differing_elements"] == 1 and m["max_ulps"] == 1

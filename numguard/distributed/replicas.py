@@ -94,7 +94,7 @@ class ReplicaSentinel:
         self.group = group
         self.on_trip = on_trip
         self.dump_dir = dump_dir
-        self.batch_number = batch_number   # callable giving the inspector's batch, or None
+        self.batch_number = batch_number   # callable(kind) giving the inspector's batch, or None
         self.forwards = 0
         self.steps = 0
         self.checks = 0                    # collectives run (parameters and gradients)
@@ -232,7 +232,7 @@ class ReplicaSentinel:
         batch = None
         if self.batch_number is not None:
             try:
-                batch = self.batch_number()
+                batch = self.batch_number(kind)
             except Exception:
                 batch = None
         return {"kind": kind, "when": when, "batch_number": batch, "ranks": list(ranks),
@@ -311,12 +311,13 @@ def describe(finding: dict) -> str:
         who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
         against = ", ".join(map(str, m["majority_ranks"]))
         text = f"{what} {m['name']!r} differs on {who} from rank{'s' if len(m['majority_ranks']) > 1 else ''} {against}"
-        if m.get("tie"):
-            text += " (no majority: which side is right cannot be told)"
+        notes = []
         if m.get("differing_elements") is not None:
-            text += (f" ({m['differing_elements']} of {m['numel']} elements differ, by at most "
-                     f"{m['max_ulps']} ulp{'s' if m['max_ulps'] != 1 else ''})")
-        parts.append(text)
+            notes.append(f"{m['differing_elements']} of {m['numel']} elements differ, by at most "
+                         f"{m['max_ulps']} ulp{'s' if m['max_ulps'] != 1 else ''}")
+        if m.get("tie"):
+            notes.append("no majority: which side is right cannot be told")
+        parts.append(text + (f" ({'; '.join(notes)})" if notes else ""))
     head = (f"numguard.distributed: data-parallel replicas diverged ({kind} checked at {at}, ranks "
             f"{finding['ranks']}): ")
     tail = (" The gradients were checked before the optimizer step: the step has not run."
@@ -338,8 +339,12 @@ def attach(inspector, model) -> ReplicaSentinel:
     """The sentinel of ``watch(..., replicas=N)``: the world group, the inspector's on_trip and
     dump_dir, its batch numbers in messages."""
     opts = inspector.options
+
+    def batch_number(kind):
+        # Parameters are checked before the forward opens its batch: that batch is the next one.
+        return inspector.batches_finished if kind == "parameters" else inspector.batch_number
     return ReplicaSentinel(model, opts.replicas, on_trip=opts.on_trip, dump_dir=opts.dump_dir,
-                           batch_number=lambda: inspector.batch_number)
+                           batch_number=batch_number)
 
 
 __all__ = ["BUCKETS", "DETAILED", "ReplicaSentinel", "attach", "describe", "watch_replicas"]
