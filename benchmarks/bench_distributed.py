@@ -13,7 +13,18 @@ Launch 1 (plain process group), in one process per rank, conditions interleaved 
   - `numguard.distributed.check_shapes` alone.
 Launch 2: the raw collectives under TORCH_DISTRIBUTED_DEBUG=DETAIL (it wraps the process group at
 creation, so it needs its own launch; added = DETAIL launch - plain launch, across launches).
-Prints a table and writes benchmarks/results/bench_distributed.json.
+Launch 3 (cross-rank numerics, `--only cross-rank` runs just this one): the 14M GPT-2 of
+bench_hooks.MODELS under DDP on the same 2 gloo ranks, watched by numguard:
+  - today's trip exchange (`exchange_trip` with a batch number: a 2-word all_gather) against the
+    richer one (the same all_gather carrying numerics.FIELDS, plus the outlier rule on the
+    gathered table), interleaved call by call, and the device-side fold of the numbers
+    (`checks.batch_numbers` over one training step's frames) timed on its own;
+  - one replica check of the parameters (`ReplicaSentinel.check`: fingerprint + one
+    all_reduce of the bucket digests) against a plain `all_reduce` of the same parameters
+    (flattened), interleaved; and the mean training step time, to state what a check every 100
+    steps adds to a step.
+Prints a table and writes benchmarks/results/bench_distributed.json (bench_cross_rank.json for
+launch 3).
 """
 from __future__ import annotations
 
@@ -153,17 +164,146 @@ def _worker(mode: str, out: str, iters: int, reps: int, numel: int) -> None:
     dist.destroy_process_group()
 
 
+def _cross_rank_worker(out: str, iters: int, reps: int) -> None:
+    """Launch 3 (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, HERE)
+    from bench_hooks import MODELS
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    import numguard
+    import numguard.distributed as ngd
+    from numguard.distributed import coordination
+    from numguard.inspector import checks
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model, train_run, _ = MODELS["gpt2-14m"]()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+    insp = numguard.watch(ddp, report_to=None)
+    perf = time.perf_counter
+
+    def step():
+        loss = train_run(ddp).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    step()
+    step_times = []
+    for _ in range(3):
+        dist.barrier()
+        t0 = perf()
+        step()
+        step_times.append(perf() - t0)
+
+    insp.close(check=False)
+    # the device-side fold over the frames of one whole step: an inspector that has not checked
+    # yet holds them all
+    held = numguard.watch(ddp, report_to=None, check_every=10 ** 6)
+    step()
+    ring = held._ring
+    fold = []
+    for _ in range(iters):
+        t0 = perf()
+        checks.batch_numbers(ring)
+        fold.append((perf() - t0) * 1e6)
+    frames = len(ring.frames) - ring.last_check_frames
+    held.close(check=False)
+
+    flag = torch.zeros((), dtype=torch.int64)
+    numbers = [0.0, 1e-3, 1e-4, 1e-9, 0.0, 0.01]
+    calls = {"exchange today": lambda i: coordination.exchange_trip(flag, batch_number=i),
+             "exchange with numbers": lambda i: coordination.exchange_trip(flag, batch_number=i,
+                                                                           numbers=numbers)}
+    params = [p for p in ddp.parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    sentinel = ngd.ReplicaSentinel(ddp, every=10 ** 9, gradients=False)
+    replica_calls = {"replica check (parameters)": lambda i: sentinel.check("parameters", params),
+                     "all_reduce of the parameters": lambda i: dist.all_reduce(flat)}
+    samples = {name: [] for name in list(calls) + list(replica_calls)}
+    for rep in range(reps + 1):  # rep 0 warms up
+        dist.barrier()
+        names = list(calls)
+        for i in range(iters):  # conditions alternate call by call
+            for name in (names if i % 2 else names[::-1]):
+                t0 = perf()
+                calls[name](i)
+                if rep:
+                    samples[name].append((perf() - t0) * 1e6)
+        names = list(replica_calls)
+        for i in range(max(3, iters // 50)):
+            for name in (names if i % 2 else names[::-1]):
+                dist.barrier()
+                t0 = perf()
+                replica_calls[name](i)
+                if rep:
+                    samples[name].append((perf() - t0) * 1e6)
+    sentinel.remove()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"median_us": {k: statistics.median(v) for k, v in samples.items()},
+                       "calls": {k: len(v) for k, v in samples.items()},
+                       "fold_median_us": statistics.median(fold), "frames_per_step": frames,
+                       "step_s": statistics.median(step_times),
+                       "param_bytes": flat.numel() * flat.element_size(),
+                       "params": len(params)}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _cross_rank_report(args) -> dict:
+    res = _launch("cross-rank", args, {})
+    m = res["median_us"]
+    today, richer = m["exchange today"], m["exchange with numbers"]
+    added = richer - today + res["fold_median_us"]
+    check, reduce = m["replica check (parameters)"], m["all_reduce of the parameters"]
+    mb = res["param_bytes"] / 1e6
+    every_100 = 2 * check / 100 / (res["step_s"] * 1e6)  # parameters and gradients, every 100 steps
+    print(f"\ncross-rank numerics, 14M GPT-2, DDP, 2 gloo ranks (medians, {args.reps} x {args.iters} "
+          "exchanges, interleaved)")
+    print(f"  trip exchange today           {today:10.1f} us")
+    print(f"  trip exchange with numbers    {richer:10.1f} us  (+{richer - today:.1f} us)")
+    print(f"  device-side fold ({res['frames_per_step']} frames) {res['fold_median_us']:8.1f} us")
+    print(f"  added per checked step        {added:10.1f} us = {added / today:.2f}x today's exchange "
+          f"(target <= 1x: {'met' if added <= today else 'NOT met'})")
+    print(f"  replica check of {res['params']} parameters ({mb:.1f} MB): {check / 1e3:.2f} ms "
+          f"= {check / mb:.0f} us/MB; all_reduce of them: {reduce / 1e3:.2f} ms = {reduce / mb:.0f} us/MB; "
+          f"ratio {check / reduce:.3f}")
+    print(f"  training step {res['step_s'] * 1e3:.1f} ms: parameters + gradients checked every 100 steps "
+          f"add {every_100 * 100:.3f}% (target < 1%: {'met' if every_100 < 0.01 else 'NOT met'})")
+    result = dict(res, added_per_step_us=added, added_over_today=added / today,
+                  replica_over_all_reduce=check / reduce, replica_every_100_fraction=every_100)
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    path = os.path.join(HERE, "results", "bench_cross_rank.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=300, help="calls per condition per round")
     ap.add_argument("--reps", type=int, default=3, help="timed rounds (after one warm-up)")
     ap.add_argument("--numel", type=int, default=16, help="elements of the fp32 tensor")
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--only", choices=("collectives", "cross-rank"), default=None,
+                    help="run only launches 1-2 (collectives) or launch 3 (cross-rank)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker == "cross-rank":
+        _cross_rank_worker(args.out, args.iters, args.reps)
+        return
     if args.worker:
         _worker(args.worker, args.out, args.iters, args.reps, args.numel)
+        return
+    if args.only == "cross-rank":
+        _cross_rank_report(args)
         return
 
     plain = _launch("plain", args, {})
@@ -210,6 +350,8 @@ def main() -> None:
                    "detail": detail, "numel": args.numel,
                    "iters": args.iters, "reps": args.reps}, f, indent=1)
     print(f"wrote {path}")
+    if args.only is None:
+        _cross_rank_report(args)
 
 
 if __name__ == "__main__":

@@ -153,6 +153,25 @@ if [ -f benchmarks/bench_kernels.py ]; then
   fi
 fi
 
+# --- cross-rank numerics: the replica fingerprint on CUDA ---------------------------------------
+# Exact equality with the CPU kernel on every dtype and layout, no host sync (the test file), then
+# its throughput against a device-to-device copy of the same bytes.
+phase "cross-rank fingerprint (CUDA)" 90 "${PYTEST[@]}" tests/test_cross_rank_fingerprint.py -k cuda
+phase "cross-rank fingerprint speed" 60 "$PY" -c '
+import torch, time
+from numguard import ops
+xs = [torch.randn(n, device="cuda") for n in [50257 * 384, 384 * 1152] + [384 * 384] * 40 + [384] * 60]
+nbytes = sum(x.numel() * x.element_size() for x in xs)
+flat = torch.cat([x.reshape(-1) for x in xs]); dst = torch.empty_like(flat)
+def timed(fn, n=20):
+    fn(); torch.cuda.synchronize(); t0 = time.perf_counter()
+    for _ in range(n): fn()
+    torch.cuda.synchronize(); return (time.perf_counter() - t0) / n
+fp = timed(lambda: ops.multi_tensor_fingerprint(xs)); cp = timed(lambda: dst.copy_(flat))
+print(f"fingerprint of {len(xs)} tensors, {nbytes / 1e6:.1f} MB: {fp * 1e6:.1f} us = {nbytes / fp / 1e9:.0f} GB/s; "
+      f"copy of the same bytes {cp * 1e6:.1f} us; fingerprint/copy {fp / cp:.2f}")
+'
+
 echo
 echo "+++ gpu_check summary (before the bandwidth table)"
 for line in "${SUMMARY[@]}"; do echo "    $line"; done

@@ -24,6 +24,11 @@ TORCH_LIBRARY(numguard, m) {
   // whose abs max exceeds headroom * finfo.max (headroom <= 0 disables that check).
   // ring: float64[R, 8]; state: int64[4] (see StateField in numguard/stats_reduce.h).
   m.def("record_(Tensor(a!) ring, Tensor(b!) state, Tensor[] xs, int position, float headroom) -> ()");
+
+  // --- replica fingerprints (NOTE: [fingerprint] in numguard/stats_reduce.h) ---
+  // int64[len(xs)] on the tensors' device: the exact 64-bit digest of each tensor's bits (uint64
+  // stored as int64), in one pass (one launch per 64 tensors on CUDA). Never synchronizes.
+  m.def("multi_tensor_fingerprint(Tensor[] xs) -> Tensor");
 }
 
 namespace numguard {
@@ -54,6 +59,13 @@ std::vector<std::tuple<std::string, double, double, double>> dtypes() {
   return out;
 }
 
+// (version, index step, mixer constants) of the fingerprint this build computes, for numguard.ops
+// to compare with numguard.schema.FINGERPRINT_LAYOUT at load.
+std::vector<int64_t> fingerprint_layout() {
+  return {numguard::kFingerprintVersion, static_cast<int64_t>(numguard::kFingerprintIndexStep),
+          static_cast<int64_t>(0xBF58476D1CE4E5B9ull), static_cast<int64_t>(0x94D049BB133111EBull)};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -68,4 +80,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("dtypes", &dtypes,
              "(name, max, tiny, headroom limit) of each dtype the kernels record (numguard.schema.DTYPES).");
   numguard::bind_frame_recorder(module);
+  module.def("fingerprint_layout", &fingerprint_layout,
+             "(version, index step, mixer constants) of the fingerprint (numguard.schema.FINGERPRINT_LAYOUT).");
 }

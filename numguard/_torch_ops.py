@@ -84,3 +84,51 @@ def record_(ring: torch.Tensor, state: torch.Tensor, xs: Sequence[torch.Tensor],
         hits_now = over.any() & ~frozen & (state[HEADROOM_HIT] == 0)
         state[FIRST_HEADROOM_POSITION] = torch.where(hits_now, first_over, state[FIRST_HEADROOM_POSITION])
         state[HEADROOM_HIT] = torch.where(hits_now, 1, state[HEADROOM_HIT])
+
+
+# ---------------------------------------------------------------------------------------------
+# Replica fingerprints (NOTE: [fingerprint] in csrc/include/numguard/stats_reduce.h), in int64
+# arithmetic, which wraps mod 2^64 like the kernels' uint64; right shifts are made logical by
+# masking the sign extension away.
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_FP_STEP = _signed(0x9E3779B97F4A7C15)
+_FP_MUL1 = _signed(0xBF58476D1CE4E5B9)
+_FP_MUL2 = _signed(0x94D049BB133111EB)
+_UNSIGNED_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _shift_right(z: torch.Tensor, k: int) -> torch.Tensor:
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    z = (z ^ _shift_right(z, 30)) * _FP_MUL1
+    z = (z ^ _shift_right(z, 27)) * _FP_MUL2
+    return z ^ _shift_right(z, 31)
+
+
+def _storage_bits(x: torch.Tensor) -> torch.Tensor:
+    """Each element's storage bits zero-extended to int64, in row-major order (bools as 0/1)."""
+    x = x.reshape(-1)
+    if x.dtype == torch.bool:
+        return (x.view(torch.uint8) != 0).to(torch.int64)
+    size = x.element_size()
+    bits = x.contiguous().view(_UNSIGNED_VIEW[size]).to(torch.int64)
+    return bits if size in (1, 8) else bits & ((1 << (8 * size)) - 1)
+
+
+def tensor_fingerprint(x: torch.Tensor) -> torch.Tensor:
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=x.device)
+    index = torch.arange(x.numel(), dtype=torch.int64, device=x.device)
+    return _mix64(_storage_bits(x) ^ (index * _FP_STEP)).sum()
+
+
+def multi_tensor_fingerprint(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    if not xs:
+        return torch.empty((0,), dtype=torch.int64)
+    return torch.stack([tensor_fingerprint(x) for x in xs])

@@ -31,6 +31,10 @@ Schema (``format == "numguard-report"``, ``version == 1``); JSON numbers may be 
       "replay": {"module": str, "class": str, "reproduced": bool, "op": str | null, "site": str | null,
                  "op_module": str | null, "op_class": str | null, "reason": str},
                                 # optional: watch(replay=True)'s re-run of the first bad module
+      "outliers": [{"rank": int, "host": str, "metric": "activations" | "gradients" | "step_time",
+                    "value": float, "median_of_others": float, "ratio": float, ...}, ...],
+                                # optional: the ranks numguard.distributed.last_outliers() named
+                                # when the file was written (distributed jobs)
       "frames": [               # oldest first; the last one is the offending frame
         {
           "name": str, "class": str, "section": str, "batch": int,
@@ -59,6 +63,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 
 from . import report as _report
 
@@ -93,10 +98,24 @@ def write(report: dict, dump_dir=None, rank=None) -> str:
         path = os.path.join(directory, f"{base}-{n}.json")
         n += 1
     tmp = path + ".tmp"
+    report = _with_outliers(report)
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
     os.replace(tmp, path)
     return path
+
+
+def _with_outliers(report: dict) -> dict:
+    """The report with the "outliers" field of a distributed job (numguard.distributed.numerics,
+    when it is in use); a report that has one keeps it."""
+    numerics = sys.modules.get("numguard.distributed.numerics")
+    if numerics is None or "outliers" in report:
+        return report
+    try:
+        outliers = numerics.last_outliers()
+    except Exception:  # a dump must be written whatever the distributed state
+        return report
+    return dict(report, outliers=outliers)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -155,6 +174,9 @@ _TOP = {
     "where": (False, _STR_OR_NULL),
     "rank": (False, ("a whole number >= 0 or null", _or_null(lambda v: _is_int(v) and v >= 0))),
     "ranks": (False, ("list", _RANK_PAIR)),
+    "outliers": (False, ("list", ("an outlier (an object with a whole-number rank and a metric)",
+                                  lambda v: isinstance(v, dict) and _is_int(v.get("rank"))
+                                  and isinstance(v.get("metric"), str)))),
     "module": (False, _STR_OR_NULL),
     "class": (False, _STR),
     "labels": (False, ("list", _STR)),

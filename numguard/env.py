@@ -435,6 +435,11 @@ VARIABLES = (
              "`0`/`1`: keep each module's last inputs and, after a trip, re-run the first bad module "
              "in operation mode to name the operation",
              _SWITCH, _switch, False, "replay"),
+    # --- cross-rank numerics (numguard.distributed.replicas) ---
+    Variable("NUMGUARD_REPLICA_CHECK",
+             "every N steps, check that the data-parallel replicas of the parameters and their "
+             "gradients are bitwise identical on every rank (default 0: off)",
+             _BATCH_MIN0.accepted, _BATCH_MIN0, 0, "replicas"),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
 
@@ -639,6 +644,11 @@ def _report_to(value):
                                           "callable taking the report text, or None for nowhere")
 
 
+def _replicas(value):
+    return _integer("replicas", value, 0, MAX_BATCH_NUMBER, _MAX_BATCH_WHY,
+                    also=": check the replicas every N steps, or 0 to turn the check off")
+
+
 # The one copy of watch()'s defaults (the inspector imports them). Read-only.
 WATCH_DEFAULTS = types.MappingProxyType({
     "max_frames_to_save": 21,
@@ -655,6 +665,7 @@ WATCH_DEFAULTS = types.MappingProxyType({
     "scaler_skips": "count",
     "ops": False,
     "replay": False,
+    "replicas": 0,
 })
 
 # option -> validator(value) -> normalized value; raises OptionError.
@@ -673,6 +684,7 @@ WATCH_VALIDATORS = types.MappingProxyType({
     "scaler_skips": _one_of("scaler_skips", ("count", "trip")),
     "ops": _flag("ops"),
     "replay": _flag("replay"),
+    "replicas": _replicas,
 })
 assert WATCH_VALIDATORS.keys() == WATCH_DEFAULTS.keys()
 

@@ -69,6 +69,18 @@ def schema_mismatch(stat_fields, state_fields, dtypes) -> str | None:
     return f"numguard's extension does not match numguard.schema ({'; '.join(diffs)}): {_REBUILD}"
 
 
+def fingerprint_mismatch(layout) -> str | None:
+    """How the fingerprint an extension computes (_C.fingerprint_layout()) differs from
+    numguard.schema.FINGERPRINT_LAYOUT, or None when it is the same."""
+    if layout is None:
+        return f"numguard's extension has no replica fingerprint kernel (built before it existed): {_REBUILD}"
+    got = tuple(int(v) & 0xFFFF_FFFF_FFFF_FFFF for v in layout)
+    if got != schema.FINGERPRINT_LAYOUT:
+        return (f"numguard's extension computes fingerprint layout {got}, numguard.schema says "
+                f"{schema.FINGERPRINT_LAYOUT}: {_REBUILD}")
+    return None
+
+
 def _build_info_mismatch() -> str | None:
     """Compare numguard/_build_info.py with the running torch, before `_C` is imported."""
     if importlib.util.find_spec(f"{__package__}._C") is None:
@@ -94,7 +106,8 @@ def _load_native():
         except Exception as exc:  # any failure to load leaves numguard usable on the fallback
             reason = f"{type(exc).__name__}: {exc}"
         else:
-            reason = schema_mismatch(native.stat_fields(), native.state_layout(), native.dtypes())
+            reason = (schema_mismatch(native.stat_fields(), native.state_layout(), native.dtypes())
+                      or fingerprint_mismatch(getattr(native, "fingerprint_layout", lambda: None)()))
     if reason is None:
         return native, None
     if choice == "native":
@@ -272,6 +285,35 @@ def record_(ring: torch.Tensor, state: torch.Tensor, xs: Sequence[torch.Tensor],
     _check_for_native(xs)
     try:
         torch.ops.numguard.record_.default(ring, state, xs, position, headroom)
+    except RuntimeError:
+        _explain_native_error(xs)
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# Replica fingerprints (NOTE: [fingerprint] in csrc/include/numguard/stats_reduce.h)
+
+if _native is not None:
+    @torch.library.register_fake("numguard::multi_tensor_fingerprint")
+    def _multi_tensor_fingerprint_fake(xs):
+        if not xs:
+            return torch.empty((0,), dtype=torch.int64)
+        return xs[0].new_empty((len(xs),), dtype=torch.int64)
+
+
+def multi_tensor_fingerprint(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """int64[len(xs)] on the tensors' device: each tensor's exact 64-bit digest of its bits
+    (numguard.schema.FINGERPRINT_LAYOUT; equal digests <=> bitwise-equal tensors, up to a 2^-64
+    chance), independent of memory layout, thread count and chunking. No host sync."""
+    xs = [x.detach() if isinstance(x, torch.Tensor) else x for x in xs]
+    if _native is None:
+        check_same_device(xs)
+        return _torch_ops.multi_tensor_fingerprint(xs)
+    _check_for_native(xs)
+    if not xs:
+        return torch.empty((0,), dtype=torch.int64)
+    try:
+        return torch.ops.numguard.multi_tensor_fingerprint.default(xs)
     except RuntimeError:
         _explain_native_error(xs)
         raise

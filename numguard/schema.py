@@ -81,3 +81,14 @@ KIND_TENSOR = "tensor"
 KIND_NONE = "none"
 KIND_NOT_A_TENSOR = "not a tensor"
 LINE_KINDS = (KIND_TENSOR, KIND_NONE, KIND_NOT_A_TENSOR)  # indexed by the inspector's line codes 0, 1, 2
+
+# ---------------------------------------------------------------------------------------------
+# Replica fingerprints (numguard.ops.multi_tensor_fingerprint; NOTE: [fingerprint] in
+# csrc/include/numguard/stats_reduce.h): per tensor, the wrapping 64-bit sum over its elements of
+# mix64(bits ^ (flat_index * FINGERPRINT_INDEX_STEP)), mix64 being splitmix64's finalizer with
+# FINGERPRINT_MIX_MULTIPLIERS. Stored as int64 (the uint64 bits).
+
+FINGERPRINT_VERSION = 1
+FINGERPRINT_INDEX_STEP = 0x9E3779B97F4A7C15
+FINGERPRINT_MIX_MULTIPLIERS = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+FINGERPRINT_LAYOUT = (FINGERPRINT_VERSION, FINGERPRINT_INDEX_STEP) + FINGERPRINT_MIX_MULTIPLIERS

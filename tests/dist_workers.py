@@ -51,6 +51,39 @@ def run_rank_processes(argv: list, environs: list, cwd: str, timeout: float = 24
     return results
 
 
+def run_worker_file(path: str, scenario: str, world: int, timeout: float = 150) -> list:
+    """Run ``python <path> <scenario>`` on `world` gloo ranks; each rank writes its result as JSON
+    to $NG_OUT (scratch folder: $NG_TMP). The per-rank results, or an AssertionError with the
+    output of a rank that failed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        port = free_port()
+        base = dict(os.environ, OMP_NUM_THREADS="1",
+                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        environs = [rank_environ(base, r, world, port, NG_OUT=os.path.join(tmp, f"r{r}.json"),
+                                 NG_TMP=tmp) for r in range(world)]
+        results = run_rank_processes([sys.executable, os.path.abspath(path), scenario], environs,
+                                     cwd=ROOT, timeout=timeout)
+        out = []
+        for r, (code, stdout, stderr) in enumerate(results):
+            if code != 0:
+                raise AssertionError(f"rank {r} of {scenario} exited {code}:\n{stdout}\n{stderr[-4000:]}")
+            with open(os.path.join(tmp, f"r{r}.json")) as f:
+                out.append(json.load(f))
+        return out
+
+
+def finish_rank(result: dict) -> None:
+    """The end of a :func:`run_worker_file` rank: write `result` to $NG_OUT, meet the other
+    ranks, tear the process group down and leave at once."""
+    import torch.distributed as dist
+    with open(os.environ["NG_OUT"], "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
 class ScenarioFailed(AssertionError):
     pass
 

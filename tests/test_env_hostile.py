@@ -25,6 +25,7 @@ EDGES = {
     "NUMGUARD_MAX_FRAMES": ["1000000", "1000001", "0"],
     "NUMGUARD_ABORT_AFTER": [str(env.MAX_BATCH_NUMBER), str(env.MAX_BATCH_NUMBER + 1)],
     "NUMGUARD_CHECK_EVERY": [str(env.MAX_BATCH_NUMBER), str(env.MAX_BATCH_NUMBER + 1)],
+    "NUMGUARD_REPLICA_CHECK": [str(env.MAX_BATCH_NUMBER), str(env.MAX_BATCH_NUMBER + 1), "0"],
     "NUMGUARD_TRACE_BATCHES": [f"0-{env.MAX_BATCH_NUMBER}", f"0-{env.MAX_BATCH_NUMBER + 1}"],
     "NUMGUARD_LOG_LEVEL": ["50", "51", "050"],
 }
@@ -81,6 +82,7 @@ REFERENCE = {  # variable -> (reading of the stripped text, default)
     "NUMGUARD_BACKEND": (lambda t: t.lower() if t.lower() in ("auto", "native", "torch") else ERROR, "auto"),
     # Trimmed and any case, as csrc/cpu/dispatch.cpp reads it too.
     "NUMGUARD_CPU_ISA": (lambda t: t.lower() if t.lower() in ("avx512", "avx2", "baseline") else ERROR, None),
+    "NUMGUARD_REPLICA_CHECK": (_whole(0, env.MAX_BATCH_NUMBER), 0),
 }
 
 

@@ -95,6 +95,7 @@ RULES = {
     "scaler_skips": _choice("count", "trip"),
     "ops": _flag,
     "replay": _flag,
+    "replicas": _int_in(0, env.MAX_BATCH_NUMBER),
 }
 
 

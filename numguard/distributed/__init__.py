@@ -28,14 +28,20 @@ from __future__ import annotations
 from . import coordination
 from ._env import dist_check_enabled
 from .coordination import exchange_trip, gather_trip_details, last_exchange, rank, world_size
-from .errors import DistributedOperationException, DistributedTimeoutError, DistributedWarning
+from .errors import (CrossRankWarning, DistributedOperationException, DistributedTimeoutError,
+                     DistributedWarning, ReplicaDivergenceError)
 from .guard import CollectiveGuard, guard_collectives, unguard_collectives
 from .logging import get_logger
+from .numerics import last_numbers, last_outliers
+from .replicas import ReplicaSentinel, watch_replicas
 from .shapes import check_shapes
 from .triggers import check_trigger, set_trigger
 
 __all__ = [
     "CollectiveGuard",
+    "CrossRankWarning",
+    "ReplicaDivergenceError",
+    "ReplicaSentinel",
     "DistributedOperationException",
     "DistributedTimeoutError",
     "DistributedWarning",
@@ -47,9 +53,12 @@ __all__ = [
     "get_logger",
     "guard_collectives",
     "last_exchange",
+    "last_numbers",
+    "last_outliers",
     "rank",
     "set_trigger",
     "unguard_collectives",
+    "watch_replicas",
     "world_size",
 ]
 

@@ -206,6 +206,7 @@ class _GroupState:
         self.warned: set = set()
         self.broken: str | None = None  # why numguard stopped using its group (a timeout)
         self.last = LastExchange()
+        self.numerics_off = False
         self.rendezvous = None
         if self.store is not None:
             self.rendezvous = Rendezvous(self.store, f"numguard/x/{self.name}/",
@@ -685,12 +686,40 @@ def _local_flags(st: _GroupState, src: torch.Tensor) -> torch.Tensor:
     return flags
 
 
-def _gather_pairs(st: _GroupState, first: int, second: int, what: str, site: str):
-    """All-gather two int64 per rank on numguard's group; [(first, second) per rank]."""
-    hin_b = st.gather_buffers(2)[0]
-    struct.pack_into("<2q", hin_b, 0, first, second)
-    out = timed_all_gather(st, 2, what, site)
-    return [struct.unpack_from("<2q", out, r * 16) for r in range(st.world)]
+def _gather_pairs(st: _GroupState, first: int, second: int, what: str, site: str,
+                  numbers=None):
+    """All-gather two int64 per rank on numguard's group; [(first, second) per rank]. With
+    ``numbers`` (numerics.FIELDS as floats) they ride in the same record: then
+    [(first, second, numbers) per rank]."""
+    if numbers is None:
+        hin_b = st.gather_buffers(2)[0]
+        struct.pack_into("<2q", hin_b, 0, first, second)
+        out = timed_all_gather(st, 2, what, site)
+        return [struct.unpack_from("<2q", out, r * 16) for r in range(st.world)]
+    words = 2 + len(numbers)
+    fmt = f"<2q{len(numbers)}d"
+    hin_b = st.gather_buffers(words)[0]
+    struct.pack_into(fmt, hin_b, 0, first, second, *numbers)
+    out = timed_all_gather(st, words, what, site)
+    rows = [struct.unpack_from(fmt, out, r * words * 8) for r in range(st.world)]
+    return [(row[0], row[1], row[2:]) for row in rows]
+
+
+# NOTE: [cross-rank numbers]
+# The trip exchange's record also carries each rank's numerics (numguard.distributed.numerics):
+# the numbers the inspector's previous check read with its state (no extra host read), and host
+# times it measured. Every rank feeds the same gathered table to numerics.observe, so every rank
+# names the same outliers.
+def _observe_numbers(st: _GroupState, pairs) -> None:
+    try:
+        from . import numerics
+        numerics.observe(st, [list(p[2]) for p in pairs],
+                         [None if p[1] == _NO_BATCH else p[1] for p in pairs])
+    except Exception as exc:  # numguard's own trouble: the exchange's result stands
+        st.warn_once("numerics", (
+            f"numguard.distributed: the cross-rank numerics of process group {st.name!r} failed "
+            f"({type(exc).__name__}: {exc}); outlier ranks are not named from now on."))
+        st.numerics_off = True
 
 
 def _check_batches(st: _GroupState, batches: list) -> None:
@@ -709,7 +738,8 @@ def _check_batches(st: _GroupState, batches: list) -> None:
 
 
 def exchange_trip(tripped: torch.Tensor, group=None, blocking: bool | None = None, *,
-                  batch_number: int | None = None, grace: float | None = None) -> torch.Tensor:
+                  batch_number: int | None = None, grace: float | None = None,
+                  numbers=None) -> torch.Tensor:
     """Share this rank's trip flag with every rank of the group.
 
     Args:
@@ -723,6 +753,8 @@ def exchange_trip(tripped: torch.Tensor, group=None, blocking: bool | None = Non
             naming both numbers, and recorded in :func:`last_exchange`.
         grace: seconds to wait for the other ranks (default: 5, at most
             ``NUMGUARD_DIST_TIMEOUT``).
+        numbers: this rank's numbers for the outlier rule (numerics.FIELDS, host floats; NOTE:
+            [cross-rank numbers]). Every rank of the group passes them or none does.
 
     Returns int64[world_size] on the user's group's collective device: entry ``r`` is rank
     ``r``'s flag. Never raises for a rank that does not come: the ranks first meet in the store
@@ -753,12 +785,16 @@ def exchange_trip(tripped: torch.Tensor, group=None, blocking: bool | None = Non
         try:
             # Every rank is here: this collective cannot be left pending.
             if on_cpu or batch != _NO_BATCH:
+                if numbers is not None:
+                    numbers = [float(v) for v in numbers]
                 pairs = _gather_pairs(st, int(src.item()) if on_cpu else 0, batch,
-                                      "numguard trip exchange (all_gather)", site)
-                st.last.batches = [None if b == _NO_BATCH else b for _, b in pairs]
+                                      "numguard trip exchange (all_gather)", site, numbers)
+                st.last.batches = [None if p[1] == _NO_BATCH else p[1] for p in pairs]
                 _check_batches(st, st.last.batches)
+                if numbers is not None and not st.numerics_off:
+                    _observe_numbers(st, pairs)
                 if on_cpu:
-                    return torch.tensor([f for f, _ in pairs], dtype=torch.int64)
+                    return torch.tensor([p[0] for p in pairs], dtype=torch.int64)
             # CUDA: the flags stay on the device; the all_reduce on the user's group is safe here
             # because every rank has come (NOTE: [own process group]).
             work = _c10d.all_reduce(flags, op=dist.ReduceOp.SUM, group=st.group, async_op=True)

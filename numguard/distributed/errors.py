@@ -21,3 +21,19 @@ class DistributedWarning(RuntimeWarning):
     """numguard.distributed goes on in a degraded way (a rank missing from the trip exchange,
     ranks checking different batches, threads sharing a group's checks); each kind is warned
     about once per process group."""
+
+
+class ReplicaDivergenceError(RuntimeError):
+    """The replicas of data-parallel parameters (or of their gradients before the optimizer step)
+    are not bitwise identical on every rank (numguard.distributed.replicas). Raised on every rank
+    of the group in the same step. ``.finding`` is the dictionary the warning and the dump show
+    (parameters, minority ranks, differing elements, largest difference in ulps)."""
+
+    def __init__(self, message: str, finding: dict):
+        super().__init__(message)
+        self.finding = finding
+
+
+class CrossRankWarning(DistributedWarning):
+    """A cross-rank numerics finding that training goes on with: replicas that diverged
+    (on_trip="warn"/"dump"), or a rank whose numbers stand out (an outlier rank)."""

@@ -5,11 +5,14 @@ A check returns a CheckStatus; what to do with it (report, warn about headroom, 
 frames) is the inspector's business."""
 from __future__ import annotations
 
+import struct
+import time
 import warnings
 from typing import NamedTuple
 
 import torch
 
+from .. import schema
 from ..errors import InspectorWarning
 from .ring import outside_inference_mode
 
@@ -86,6 +89,12 @@ class FlagReader:
         self._host_np = None
         self._event = None
         self.pending = None           # (frames held, batch) when the async copy was issued
+        self.numbers = None           # this rank's cross-rank numbers read by the last shared check
+        self.skipped_steps = None     # callable: GradScaler-skipped steps so far (set by the inspector)
+        self._tail = 0                # words of numbers at the end of the pending async copy
+        self._exchange_done = None    # host time the last shared check's exchange returned
+        self._forward_end = None      # host time the last root forward returned
+        self._forwards = 0            # root forwards since that exchange
         if mode == "async":
             self._make_host_buffer(8)
 
@@ -111,15 +120,68 @@ class FlagReader:
             if module is not None:
                 # The batch number lets ranks that pair different batches (different check_every,
                 # an extra batch on one rank) be told so, naming both.
-                flags = module.exchange_trip(state[0], batch_number=batch)
-                return torch.cat([state, flags.to(state.device)]), True
-        return state, False
+                flags = module.exchange_trip(state[0], batch_number=batch,
+                                             numbers=self._numbers_to_send())
+                self._exchange_done = time.perf_counter()
+                self._forwards = 0
+                parts = [state, flags.to(state.device)]
+                numbers = self._device_numbers()
+                if numbers is not None:
+                    parts.append(numbers.view(torch.int64))
+                return torch.cat(parts), True, 0 if numbers is None else numbers.numel()
+        return state, False, 0
+
+    # -- cross-rank numbers (numguard.distributed.numerics; NOTE: [cross-rank numbers]) ----------
+    def forward_ended(self):
+        """The root forward returned (the inspector calls this at every batch end)."""
+        self._forward_end = time.perf_counter()
+        self._forwards += 1
+
+    def _numbers_to_send(self):
+        """numerics.FIELDS: the device numbers the previous shared check read (NaN before the
+        first), the skipped-step count, and the host step time: seconds per batch from the
+        previous exchange to the end of the last forward. It leaves out the backward, where DDP's
+        gradient all_reduce makes fast ranks wait for slow ones, so a rank slow in its data
+        loading, optimizer step or forward shows its own time (NaN until known)."""
+        numbers = list(self.numbers) if self.numbers is not None else [float("nan")] * 4
+        skipped = 0
+        if self.skipped_steps is not None:
+            try:
+                skipped = int(self.skipped_steps())
+            except Exception:
+                skipped = 0
+        step = float("nan")
+        if self._exchange_done is not None and self._forward_end is not None \
+                and self._forward_end > self._exchange_done:
+            step = (self._forward_end - self._exchange_done) / max(1, self._forwards)
+        return numbers + [float(skipped), step]
+
+    def _device_numbers(self):
+        """float64[4] on the ring's device, read with the state (no extra host read), or None
+        once it failed (warned once)."""
+        if "numbers" in self.warned:
+            return None
+        try:
+            return batch_numbers(self.ring)
+        except Exception as exc:  # numguard's own failure: the check itself goes on
+            self.warned.add("numbers")
+            warnings.warn(f"numguard: the cross-rank numbers failed ({type(exc).__name__}: {exc}); "
+                          "outlier ranks are not named from now on", InspectorWarning, stacklevel=5)
+            return None
+
+    def _take_numbers(self, values, tail):
+        """Strip the numbers off the end of a read state, keeping them for the next exchange."""
+        if not tail:
+            return values
+        words = [int(v) for v in values[-tail:]]
+        self.numbers = list(struct.unpack(f"<{tail}d", struct.pack(f"<{tail}q", *words)))
+        return values[:-tail]
 
     def read_now(self, where, batch) -> CheckStatus:
         """One device->host read of the state (and the cross-rank exchange)."""
         self.where = where
-        src, shared = self._source(batch)
-        values = src.tolist()  # the one device->host read of a checked batch
+        src, shared, tail = self._source(batch)
+        values = self._take_numbers(src.tolist(), tail)  # the one device->host read of a checked batch
         return CheckStatus(values[:8], values[8:] if shared else [], len(self.ring.frames), batch)
 
     def read_local(self, where, batch) -> CheckStatus:
@@ -135,14 +197,14 @@ class FlagReader:
         if self.pending is not None:
             if self._event is not None and not self._event.query():
                 self._event.synchronize()  # the copy was issued a check ago: normally done
-            values = [int(v) for v in self._host_np]
+            values = self._take_numbers([int(v) for v in self._host_np], self._tail)
             n, _ = self.pending
             self.pending = None
             status = CheckStatus(values[:8], values[8:], n, batch)
         return status
 
     def issue_async_copy(self, batch):
-        src, _ = self._source(batch)
+        src, _, self._tail = self._source(batch)
         if self._host is None or self._host.numel() != src.numel():
             self._make_host_buffer(src.numel())
         self._host.copy_(src, non_blocking=True)
@@ -162,3 +224,49 @@ class FlagReader:
     def device_moved(self):
         self._host = None
         self.pending = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-rank numbers of a check (numguard.distributed.numerics.DEVICE_FIELDS)
+
+_INF = float("inf")
+_INV_MAX = {getattr(torch, name): 1.0 / float(info.max) for name, info in schema.DTYPES.items()
+            if info.recordable and hasattr(torch, name)}
+_GRADIENT_SECTIONS = frozenset({"backward"})
+
+
+def batch_numbers(ring) -> torch.Tensor:
+    """float64[4] on the ring's device over the records of the frames since the last check:
+    non-finite values, worst activation headroom and worst gradient headroom (abs max / the
+    dtype's largest finite value), smallest non-zero gradient magnitude (inf: none). Device ops
+    only: no host sync (the index lists are built from host metadata and copied to the device)."""
+    size = ring.size
+    rows, inv, grad = [], [], []
+    for f in ring.frames[ring.last_check_frames:]:
+        g = f.section in _GRADIENT_SECTIONS
+        start = f.start
+        for p, dtype in zip(f.positions, f.dtypes):
+            if p >= start:  # a record this frame wrote (earlier ones are counted where written)
+                rows.append(p % size)
+                inv.append(_INV_MAX.get(dtype, 0.0))
+                grad.append(g)
+    device = ring.device
+    if not rows:
+        out = torch.zeros(4, dtype=torch.float64, device=device)
+        out[3] = _INF
+        return out
+    rows_t = torch.tensor(rows, dtype=torch.int64)
+    inv_t = torch.tensor(inv, dtype=torch.float64)
+    grad_t = torch.tensor(grad, dtype=torch.bool)
+    if device.type != "cpu":
+        rows_t, inv_t, grad_t = (t.pin_memory().to(device, non_blocking=True)
+                                 for t in (rows_t, inv_t, grad_t))
+    recs = ring.ring.index_select(0, rows_t)
+    headroom = recs[:, schema.ABS_MAX] * inv_t
+    zero = headroom.new_zeros(())
+    return torch.stack([
+        recs[:, schema.NAN:schema.NEG_INF + 1].sum(),
+        torch.where(grad_t, zero, headroom).amax(),
+        torch.where(grad_t, headroom, zero).amax(),
+        torch.where(grad_t, recs[:, schema.MIN_NONZERO], zero + _INF).amin(),
+    ])

@@ -129,6 +129,7 @@ class Inspector(ModuleHooks):
                                on_drop=self._frames_dropped)
         self._weights = WeightTable(self._owners, opts.headroom)
         self._reader = FlagReader(self._ring, opts.check, self._warned)
+        self._reader.skipped_steps = lambda: getattr(self._backward_watch, "scaler_skipped_steps", 0)
         self._reporter = Reporter(self._ring, self._weights, opts, self._warned, self._reader)
         try:
             if opts.ops:
@@ -144,6 +145,9 @@ class Inspector(ModuleHooks):
             if opts.replay:
                 self._keep_inputs()
             self._reporter.annotate = self._annotate_report
+            if opts.replicas:  # removed with the other hooks at close()
+                from ..distributed import replicas
+                self._handles.append(replicas.attach(self, model))
         except BaseException:
             self.close(check=False)  # a watch() that fails leaves no hook behind
             raise
@@ -409,6 +413,7 @@ class Inspector(ModuleHooks):
         self._weights.drop_before(frames[0].batch if frames else self._batches_done)
 
     def _end_batch(self):
+        self._reader.forward_ended()  # host step time for the cross-rank numbers
         batch = self._batches_done
         self._batches_done += 1
         self._batch_open = False

@@ -26,6 +26,7 @@ class WatchOptions:
     scaler_skips: str
     ops: bool
     replay: bool
+    replicas: int = 0   # numguard.distributed.replicas: check every N steps (0: off)
 
     @classmethod
     def from_arguments(cls, **arguments) -> "WatchOptions":
