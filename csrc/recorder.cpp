@@ -119,9 +119,21 @@ class FrameRecorder {
   int64_t hf_calls = 0;      // module frames recorded (Transformers' total_calls)
   py::object pending_start = py::int_(0);  // "Starting batch number" of the next module frame, or None
 
-  // Records one frame (see FrameRing.record) and appends its Frame to the frames list.
+  // Records one frame (see FrameRing.record) and appends its Frame to the frames list. `state`
+  // (a tensor or None): the recording state to update instead of the ring's own; such a frame
+  // neither reuses records nor is reused (every tensor of it is recorded, and recorded again by
+  // the frames that follow, so their own state sees it).
   void record_frame(const py::handle& owner, const py::list& xs, const py::object& labels, const py::object& kinds,
-                    const py::object& section, bool hf, bool weights, int64_t batch) {
+                    const py::object& section, bool hf, bool weights, int64_t batch,
+                    const py::object& state = py::none()) {
+    if (!state.is_none()) {
+      if (!THPVariable_Check(state.ptr())) throw py::type_error("numguard: state must be a tensor or None");
+      state_override_ = THPVariable_Unpack(state.ptr());
+    }
+    struct Restore {
+      at::Tensor& t;
+      ~Restore() { t.reset(); }
+    } restore{state_override_};
     // Interned once and never released (no destructor running after the interpreter is gone).
     static const py::handle kFlag = PyUnicode_InternFromString("flag");
     static const py::handle kFlagBatch = PyUnicode_InternFromString("flag_batch");
@@ -140,7 +152,8 @@ class FrameRecorder {
     }
     const double headroom = owner.attr(kHeadroom).cast<double>();
     const int64_t start = pos;
-    py::tuple got = record(xs, flag, start, headroom, window_lo, PyList_GET_SIZE(frames_.ptr()) > 0, owner);
+    py::tuple got = record(xs, flag, start, headroom, window_lo, PyList_GET_SIZE(frames_.ptr()) > 0, owner,
+                           !state_override_.defined());
     const int64_t n = got[3].cast<int64_t>();
     const int64_t lo = got[4].cast<int64_t>();
     pos = start + n;
@@ -186,7 +199,7 @@ class FrameRecorder {
   // since an earlier frame of the batch are not recorded again. Returns (dtypes, shapes, positions,
   // records written, lowest position referred to), the fields of the Frame the caller appends.
   py::tuple record(const py::list& xs, const py::object& flag, int64_t pos, double headroom, int64_t window_lo,
-                   bool has_frames, const py::handle& owner = py::handle()) {
+                   bool has_frames, const py::handle& owner = py::handle(), bool reuse = true) {
     const size_t count = xs.size();
     std::vector<const at::Tensor*> tensors(count);
     std::vector<int64_t> at_positions;
@@ -203,7 +216,7 @@ class FrameRecorder {
       tensors[i] = &x;
       c10::TensorImpl* impl = x.unsafeGetTensorImpl();
       int64_t at = -1;
-      if (!impl->is_inference()) {
+      if (reuse && !impl->is_inference()) {
         auto hit = seen_.find(impl);
         if (hit != seen_.end() && !hit->second.ref.expired() &&
             hit->second.version == static_cast<int64_t>(impl->version_counter().current_version())) {
@@ -242,7 +255,7 @@ class FrameRecorder {
         launch(batch, pos, headroom);
       }
       if (static_cast<int64_t>(seen_.size()) > seen_limit_) seen_.clear();
-      for (size_t j = 0; j < fresh.size(); ++j) {
+      for (size_t j = 0; reuse && j < fresh.size(); ++j) {
         c10::TensorImpl* impl = fresh[j].unsafeGetTensorImpl();
         if (impl->is_inference()) continue;  // no version counter: never reused
         seen_.insert_or_assign(impl, SeenTensor{c10::weak_intrusive_ptr<c10::TensorImpl>(fresh[j].getIntrusivePtr()),
@@ -295,12 +308,12 @@ class FrameRecorder {
  private:
   void launch(const std::vector<at::Tensor>& batch, int64_t pos, double headroom) {
     if (device_.is_cpu()) {
-      cpu::record_cpu(ring_, state_, batch, pos, headroom);
+      cpu::record_cpu(ring_, state_override_.defined() ? state_override_ : state_, batch, pos, headroom);
       return;
     }
     static const auto op =
         c10::Dispatcher::singleton().findSchemaOrThrow("numguard::record_", "").typed<RecordSignature>();
-    op.call(ring_, state_, batch, pos, headroom);
+    op.call(ring_, state_override_.defined() ? state_override_ : state_, batch, pos, headroom);
   }
 
   static bool any_needs_values(const std::vector<at::Tensor>& xs) {
@@ -325,6 +338,7 @@ class FrameRecorder {
   py::object frame_type_;
   at::Tensor ring_;
   at::Tensor state_;
+  at::Tensor state_override_;  // for the duration of one record_frame call
   c10::Device device_{at::kCPU};
   int64_t size_ = 0;
   py::object sanitize_;
@@ -346,7 +360,9 @@ void bind_frame_recorder(py::module& module) {
       .def_readwrite("window_lo", &FrameRecorder::window_lo)
       .def_readwrite("hf_calls", &FrameRecorder::hf_calls)
       .def_readwrite("pending_start", &FrameRecorder::pending_start)
-      .def("record_frame", &FrameRecorder::record_frame)
+      .def("record_frame", &FrameRecorder::record_frame, py::arg("owner"), py::arg("xs"), py::arg("labels"),
+           py::arg("kinds"), py::arg("section"), py::arg("hf"), py::arg("weights"), py::arg("batch"),
+           py::arg("state") = py::none())
       .def("set_ring", &FrameRecorder::set_ring)
       .def("clear_seen", &FrameRecorder::clear_seen)
       .def("seen_count", &FrameRecorder::seen_count)

@@ -19,8 +19,10 @@ Schema (``format == "numguard-report"``, ``version == 1``); JSON numbers may be 
       "labels": [str, ...],     # the offending labels of that frame
       "section": "forward" | "backward" | ...,
       "max_frames_to_save": int, "headroom": float, "backend": "native" | "torch",
-      "operation": {"op": str, "site": str, "input_abs_max": float | null, "output_abs_max": float | null},
-                                # optional: the first bad operation (watch(ops=True))
+      "operation": {"op": str, "module": str, "class": str, "site": str,
+                    "input_abs_max": float | null, "output_abs_max": float | null},
+                                # optional: the operation that made the first NaN/Inf (watch(ops=True)),
+                                # the module that ran it (may be inside the report's module)
       "history": {              # optional: the per-module history precision advice reads
         "window": int, "batches": [int, ...],  # batches covered, oldest first
         "loss_scale": float | null, "loss_scale_source": "GradScaler" | "assumed",

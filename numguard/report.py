@@ -225,7 +225,10 @@ def summary_lines(report: dict) -> list[str]:
                    f"{report.get('section', 'forward')} pass, {where}{rank_text}")
     operation = report.get("operation")
     if isinstance(operation, dict):  # unknown fields of an older or foreign dump are ignored
-        name = module if module else "(root module)"
+        # The module that ran the operation (a dump without it: the report's module).
+        op_module = operation.get("module", module)
+        name = op_module if op_module else "(root module)"
+        op_class = operation.get("class", report.get("class", ""))
         site = op_where(operation)
         values = []
         for key, text in (("input_abs_max", "input abs max"), ("output_abs_max", "output")):
@@ -233,7 +236,7 @@ def summary_lines(report: dict) -> list[str]:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 values.append(f"{text} {value:.1e}")
         out.append(f"numguard: first non-finite operation: {operation.get('op')} in {name} "
-                   f"({report.get('class', '')}){site}" + (": " + ", ".join(values) if values else ""))
+                   f"({op_class}){site}" + (": " + ", ".join(values) if values else ""))
     out.extend(replay_lines(report.get("replay")))
     ranks = report.get("ranks") or []
     if ranks:

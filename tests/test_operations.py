@@ -107,9 +107,10 @@ def test_log_of_negative_is_named_with_module_and_call_site():
     assert line.startswith(f"numguard: first non-finite operation: aten::log in (root module) (LogHead) at "
                            f"{THIS_FILE}:{_line('op: log')}: input abs max ")
     assert line.endswith("output nan")
-    # The module frames leading to the operation are still in the report (the Linear ran before it).
+    # The module frames are those of module mode: the Linear, then the root whose output holds
+    # the NaN (operation frames explain a module's trip; they do not trip by themselves).
     assert "                  lin Linear" in err.report
-    assert "Last 1 forward frames:" in err.report
+    assert "Last 2 forward frames:" in err.report
 
 
 def exp_overflow_stack():
@@ -259,9 +260,9 @@ def test_an_operation_trip_names_its_pass_and_headroom_lists_no_operation_frames
     assert insp.last_report["section"] == "forward"
     line = next(l for l in err.report.splitlines() if l.startswith("numguard: first non-finite value"))
     assert line.startswith("numguard: first non-finite value in blocks.0.act (Fp16Exp) output, forward pass,")
-    # Only operation frames held float16 tensors here: they are not listed (they repeat the
-    # module frames' tensors), so there is no headroom section at all.
-    assert "Headroom (" not in err.report
+    # The headroom section lists module frames only (operation frames repeat their tensors).
+    headroom = err.report.split("Headroom (", 1)[1]
+    assert "blocks.0.act Fp16Exp output" in headroom and "aten::" not in headroom
 
 
 # -- backward operations (backward=True, ops=True) -------------------------------------------------
@@ -290,14 +291,16 @@ class BackwardLog(nn.Module):
 
 
 class SqrtHead(nn.Module):
-    """sqrt(relu(x)) is finite; its backward divides by 2*sqrt(0) = 0 where x <= 0."""
+    """sqrt(0) is finite; its backward divides by 2*sqrt(0) = 0, and the Inf reaches the Linear's
+    output gradient."""
 
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(4, 4)
 
     def forward(self, x):
-        return torch.sqrt(torch.relu(self.lin(x)))  # op: sqrt
+        y = self.lin(x)
+        return torch.sqrt(y - y.detach())  # op: sqrt
 
 
 def _backward_trip(model, x):
@@ -321,7 +324,8 @@ def test_division_by_zero_in_backward_is_named_with_the_node_and_forward_line():
     assert op["op"] == "aten::div" and op["backward_of"] == "SqrtBackward0"
     assert op["site"] == f"{THIS_FILE}:{_line('op: sqrt')}"
     assert op["output_abs_max"] == float("inf")
-    assert report["module"] == "1" and report["class"] == "SqrtHead" and report["section"] == "backward"
+    # The module frames are module mode's: the first gradient holding the Inf is the Linear's.
+    assert report["module"] == "1.lin" and report["class"] == "Linear" and report["section"] == "backward"
     assert (f"numguard: first non-finite operation: aten::div in 1 (SqrtHead) in the backward of SqrtBackward0 "
             f"(forward at {THIS_FILE}:{_line('op: sqrt')})") in err.report
     assert "Last " in err.report and "backward operations frames:" in err.report
@@ -338,7 +342,7 @@ def test_log_of_negative_in_a_custom_backward_is_named():
     assert op["op"] == "aten::log" and op["backward_of"] == "LogOfGradientBackward"
     # Named by the module and line of the forward that made the node (the custom forward's op).
     assert op["site"] == f"{THIS_FILE}:{_line('op: custom forward')}"
-    assert insp.last_report["module"] == "1" and insp.last_report["class"] == "BackwardLog"
+    assert insp.last_report["module"] == "1.lin" and insp.last_report["class"] == "Linear"
     assert "aten::log" in str(err)
 
 
@@ -366,3 +370,41 @@ def test_backward_operations_add_no_host_sync():
     assert "backward operations" in held
     assert counter.in_hooks == 0, counter.where
     assert counter.numguard <= steps, counter.where
+
+
+# -- a NaN/Inf the model throws away is not a trip (NOTE: [operation frames do not trip]) ----------
+
+class DropsLogOfZero(nn.Module):
+    """T5's relative-position buckets in small: log(0) = -inf for the zero distances, thrown away
+    by torch.where; then, optionally, a real NaN made by sqrt of a negative."""
+
+    def __init__(self, make_nan=False):
+        super().__init__()
+        self.make_nan = make_nan
+
+    def forward(self, x):
+        distance = torch.arange(4).float()
+        large = torch.log(distance / 2.0)  # op: dead-end log
+        buckets = torch.where(distance < 2, distance, large.clamp(max=3.0))
+        out = x + buckets
+        if self.make_nan:
+            out = torch.sqrt(out - 10.0)  # op: real sqrt
+        return out
+
+
+def test_an_inf_the_model_throws_away_is_not_a_trip():
+    model = nn.Sequential(nn.Linear(4, 4), DropsLogOfZero())
+    with numguard.watch(model, **quiet(ops=True)) as insp:
+        for _ in range(2):
+            out = model(torch.randn(3, 4))
+    assert torch.isfinite(out).all() and insp.trips == 0
+
+
+def test_the_blamed_operation_is_the_one_that_made_the_modules_nan():
+    model = nn.Sequential(nn.Linear(4, 4), DropsLogOfZero(make_nan=True))
+    insp, err = _trip(model, torch.zeros(3, 4))
+    op = insp.last_report["operation"]
+    # Not the dead-end log(0) that ran first in the same module: the sqrt whose NaN is the output.
+    assert op["op"] == "aten::sqrt" and op["site"] == f"{THIS_FILE}:{_line('op: real sqrt')}"
+    assert op["module"] == "1" and op["class"] == "DropsLogOfZero"
+    assert insp.last_report["module"] == "1"

@@ -135,6 +135,7 @@ class Inspector(ModuleHooks):
             if opts.ops:
                 self._ops = OperationRecorder(self)
                 self._ops.tag_nodes = opts.backward   # name backward operations by forward module
+                self._reporter.lineage = self._ops.lineage
             self._install_hooks(model)
             for module in self._module_names.keys():
                 _watched[module] = _watched.get(module, 0) + 1

@@ -23,11 +23,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .. import schema
 from . import frames as _frames
 
 SECTION = "operations"
 BACKWARD_SECTION = "backward operations"
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _NUMGUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _FLOATING = frozenset(d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16,
                                   getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
@@ -41,6 +42,9 @@ def _is_internal(code):
     hit = _internal_code.get(code)
     if hit is None:
         name = code.co_filename
+        if not name.startswith("<"):
+            # As imported: a path with '..' (sys.path entries like 'benchmarks/..') still counts.
+            name = os.path.normpath(os.path.abspath(name))
         hit = _internal_code[code] = (name.startswith(_TORCH_DIR) or name.startswith(_NUMGUARD_DIR)
                                       or name.startswith("<"))
     return hit
@@ -90,8 +94,18 @@ def _nonfinite_scalar(values):
     return False
 
 
+_SCRATCH_SLOTS = 4096  # recording states for operation frames, reused after this many per pass
+_LINEAGE_LIMIT = 200_000
 _TAG = "numguard_op"   # key of an autograd node's metadata: (module owner, call site) of its forward op
 _current_node = torch._C._current_autograd_node
+
+
+_SEEN_OUTPUTS = 8192
+
+
+def _made_at(made, x):
+    hit = made.get(id(x))
+    return hit[1] if hit is not None and hit[0]() is x else -1
 
 
 class OpOwner(_frames.Owner):
@@ -125,6 +139,39 @@ class OperationRecorder(TorchDispatchMode):
         # id(tensor) -> weakref: tensors non-finite by intent (made with an explicit inf/NaN
         # number, e.g. a -inf attention mask) and what is computed from them up to a softmax.
         self.intended = {}
+        # NOTE: [operation frames do not trip] An operation's NaN/Inf explains a module's trip; it
+        # is not a trip by itself (a model may make one and throw it away, e.g. T5's log(0) in
+        # its relative-position buckets, dropped by torch.where). Each operation frame updates a
+        # recording state of its own (a row of `_scratch`) and records every tensor afresh, so
+        # module frames trip exactly as without operation mode; after a module trip the report
+        # follows `lineage` back from the module's bad output to the operation that made it.
+        self._scratch = None
+        self._slot = 0
+        self.made = {}          # id(output) -> (weakref, ring position of its record), this pass
+        self.lineage = {}       # operation frame start -> ring positions of the records that made its inputs
+
+    def _op_state(self, ring):
+        """A fresh recording state for one operation frame (a row of a scratch buffer on the ring's
+        device; rows are re-armed with one fill per pass, never read)."""
+        scratch = self._scratch
+        slot = self._slot
+        if scratch is None or scratch.device != ring.device:
+            with torch.inference_mode(False):
+                scratch = self._scratch = torch.zeros((_SCRATCH_SLOTS, len(schema.STATE_INITIAL)),
+                                                      dtype=torch.int64, device=ring.device)
+            slot = 0
+        elif slot >= _SCRATCH_SLOTS:
+            slot = 0
+        if slot == 0:
+            scratch.select(1, schema.TRIPPED).zero_()
+        self._slot = slot + 1
+        return scratch[slot]
+
+    def _new_pass(self):
+        self._slot = 0
+        self.made.clear()
+        if len(self.lineage) > _LINEAGE_LIMIT:
+            self.lineage.clear()
 
     # -- module stack (hooks installed only with ops=True) ---------------------------------------
     def push(self, owner):
@@ -138,6 +185,7 @@ class OperationRecorder(TorchDispatchMode):
     def start(self, top_owner):
         if self.off or self.entered:
             return
+        self._new_pass()
         self.stack = [top_owner]
         self.__enter__()
         self.entered = True
@@ -157,6 +205,7 @@ class OperationRecorder(TorchDispatchMode):
         """Enter the mode for a backward; False when it is off or already entered."""
         if self.off or self.entered:
             return False
+        self._new_pass()
         self.stack = []
         self.backward = True
         self.__enter__()
@@ -249,7 +298,17 @@ class OperationRecorder(TorchDispatchMode):
             owner = self._owners[key] = OpOwner(module_owner, op, site, backward_of)
         labels = [f"input[{i}]" for i in range(len(ins))] + out_labels
         kinds = [_frames.TENSOR] * len(labels)
-        insp._ring.record(owner, ins + outs, labels, kinds, section, False, False, insp._batches_done)
+        ring = insp._ring
+        start = ring.pos
+        made = self.made
+        self.lineage[start] = tuple(_made_at(made, x) for x in ins)
+        # NOTE: [operation frames do not trip]: every tensor recorded afresh, inputs then outputs.
+        ring.record(owner, ins + outs, labels, kinds, section, False, False, insp._batches_done,
+                    self._op_state(ring))
+        if len(made) > _SEEN_OUTPUTS:
+            made.clear()
+        for i, x in enumerate(outs, start + len(ins)):
+            made[id(x)] = (weakref.ref(x), i)
 
     def _tag(self, ins, outs, module_owner, site):
         """Tag the nodes of this operation's inputs with the module and site that made them, and

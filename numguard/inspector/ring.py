@@ -59,7 +59,7 @@ class _PythonRecorder:
     def seen_count(self):
         return len(self._seen)
 
-    def record_frame(self, owner, xs, labels, kinds, section, hf, weights, batch):
+    def record_frame(self, owner, xs, labels, kinds, section, hf, weights, batch, state=None):
         ring = self._ring()
         flag = None
         if weights and owner.flag is not None and owner.flag_batch != batch:
@@ -67,7 +67,8 @@ class _PythonRecorder:
             owner.flag_batch = batch
             flag = owner.flag
         pos = self.pos
-        dtypes, shapes, positions, n, lo = self._record(ring, xs, flag, pos, owner.headroom)
+        dtypes, shapes, positions, n, lo = self._record(ring, xs, flag, pos, owner.headroom,
+                                                        ring.state if state is None else state, state is None)
         self.pos = pos + n
         bstart = None
         if hf:
@@ -80,8 +81,8 @@ class _PythonRecorder:
                                  n, weights and bool(owner.widx), hf, positions, lo))
         ring.frame_starts.append(pos)
 
-    def _record(self, ring, xs, flag, pos, headroom):
-        seen = self._seen
+    def _record(self, ring, xs, flag, pos, headroom, state, reuse):
+        seen = self._seen if reuse else {}
         dev_index = ring.device_index
         dtypes = []
         shapes = []
@@ -121,18 +122,18 @@ class _PythonRecorder:
             if pos + n - window > ring.size:
                 ring._grow(pos + n - window)
             try:
-                ops.record_(ring.ring, ring.state, new, pos, headroom)
+                ops.record_(ring.ring, state, new, pos, headroom)
             except Exception:
                 if not clean or not any(x.is_meta or x.is_nested or local_shard(x) is not x for x in fresh):
                     raise
                 # The quick screen above passes what only the op can reject (meta, nested
                 # tensors, DTensors): record their values through sanitize instead of losing the frame.
                 new[:len(fresh)] = ring.sanitize(fresh)
-                ops.record_(ring.ring, ring.state, new, pos, headroom)
+                ops.record_(ring.ring, state, new, pos, headroom)
             if len(seen) > _SEEN_LIMIT:
                 seen.clear()
             try:
-                for i, x in enumerate(fresh):
+                for i, x in enumerate(fresh if reuse else ()):
                     seen[id(x)] = (weakref.ref(x), x._version, pos + i)
             except (RuntimeError, TypeError):  # inference tensors: no version counter, no reuse
                 pass
@@ -151,9 +152,10 @@ class FrameRing:
     are not report context (a traced batch's frames); `last_check_frames` frames were confirmed
     healthy by the last check. `on_drop(cut)` is told when the oldest frames are forgotten.
 
-    ``record(owner, xs, labels, kinds, section, hf, weights, batch)`` records a frame's tensors with
-    one launch (tensors unchanged since an earlier frame of the batch are not recorded again) and
-    appends its Frame; no host sync. It is the recorder's own method (the native FrameRecorder
+    ``record(owner, xs, labels, kinds, section, hf, weights, batch, state=None)`` records a frame's
+    tensors with one launch (tensors unchanged since an earlier frame of the batch are not recorded
+    again) and appends its Frame; no host sync. `state`: a recording state to update instead of
+    the ring's (operation frames: their NaN/Inf does not trip the ring by itself). It is the recorder's own method (the native FrameRecorder
     when the extension is loaded: no Python frame per watched module call)."""
 
     pos = _recorder_field("pos", "Where the next record goes.")

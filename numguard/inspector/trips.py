@@ -28,7 +28,8 @@ def _operation_summary(frame):
         shown = _report.shown_abs_min_max(record)[1]
         (inputs if label.startswith("input") else outputs).append(shown)
     bad_out = [v for v in outputs if v != v or v == float("inf")]
-    return {"op": frame["op"], "site": frame["site"], "backward_of": frame.get("backward_of"),
+    return {"op": frame["op"], "module": frame["name"], "class": frame["class"], "site": frame["site"],
+            "backward_of": frame.get("backward_of"),
             "input_abs_max": max(inputs, key=lambda v: (v != v, v)) if inputs else None,
             "output_abs_max": bad_out[0] if bad_out else (max(outputs) if outputs else None)}
 
@@ -58,6 +59,7 @@ class Reporter:
         self.trip_message = None          # the NonFiniteError text, when the caller wants its own
         self.step_counter = None          # (label, read): a framework's step, shown next to the batch
         self.annotate = None              # annotate(report, offender index): adds fields before rendering
+        self.lineage = None               # operation mode's lineage (operations.OperationRecorder.lineage)
 
     # -- report dictionaries ---------------------------------------------------------------------
     def frame_record(self, f, host_ring, tables, valid_end):
@@ -106,6 +108,82 @@ class Reporter:
                 out["backward_of"] = owner.backward_of
         return out
 
+    def _categories(self, f, host_ring, valid_end, prefix=None):
+        """{position: (NaN, +Inf, -Inf) present} of a frame's non-finite tensor lines (those whose
+        label starts with `prefix`, when given)."""
+        size = host_ring.shape[0]
+        out = {}
+        t = 0
+        for label, kind in zip(f.labels, f.kinds):
+            if kind & 3 != TENSOR:
+                continue
+            p = f.positions[t]
+            t += 1
+            if (prefix is None or label.startswith(prefix)) and valid_end - size <= p < valid_end:
+                rec = host_ring[p % size]
+                cats = (rec[schema.NAN] > 0, rec[schema.POS_INF] > 0, rec[schema.NEG_INF] > 0)
+                if any(cats):
+                    out[p] = cats
+        return out
+
+    def _blame_operation(self, offender, host_ring, valid_end):
+        """The operation frame that made the offending module frame's NaN/Inf (NOTE: [operation
+        frames do not trip] in operations.py): the last operation before it whose output shares a
+        kind of non-finite value (NaN, +Inf, -Inf) with the module's bad lines, then back through
+        the operations that made its non-finite inputs to the first one whose inputs were all
+        finite. None when no operation frame explains it."""
+        frames = self.ring.frames
+        off = frames[offender]
+        want = _operations.BACKWARD_SECTION if off.section == "backward" else _operations.SECTION
+        bad = set(self._categories(off, host_ring, valid_end).values())
+        if not bad:
+            return None
+        by_start = {}
+        candidates = []   # the operation frames of this pass before the offender, latest first
+        for j in range(offender - 1, self.ring.floor - 1, -1):
+            f = frames[j]
+            if f.section == want:
+                by_start[f.start] = j
+                candidates.append(j)
+        pick = None
+        for j in candidates:  # latest first
+            outs = self._categories(frames[j], host_ring, valid_end, "output")
+            if any(any(a and b for a, b in zip(c, cats)) for c in outs.values() for cats in bad):
+                pick = j
+                break
+        if pick is None:
+            return None
+        lineage = self.lineage or {}
+        seen = set()
+        while pick not in seen:
+            seen.add(pick)
+            f = frames[pick]
+            ins = self._categories(f, host_ring, valid_end, "input")
+            if not ins:
+                return pick  # its inputs were finite: it made the NaN/Inf
+            made = lineage.get(f.start, ())
+            labels = [lab for lab, kind in zip(f.labels, f.kinds) if kind & 3 == TENSOR]
+            nxt = None
+            for i, p in enumerate(f.positions):
+                if p in ins and i < len(made) and labels[i].startswith("input") and made[i] >= 0:
+                    start = self._frame_start_of(made[i], by_start)
+                    if start is not None:
+                        nxt = start
+                        break
+            if nxt is None:
+                return pick  # its bad input came from outside the operations recorded
+            pick = nxt
+        return pick
+
+    def _frame_start_of(self, position, by_start):
+        """Index of the operation frame (in `by_start`: start -> index) holding `position`."""
+        frames = self.ring.frames
+        for start, j in by_start.items():
+            f = frames[j]
+            if start <= position < start + f.n_records:
+                return j
+        return None
+
     def build_report(self, offender, host_ring, found_at=None) -> dict:
         """The report dictionary (numguard.dump's schema) for the frame at index `offender`."""
         frames = self.ring.frames
@@ -114,9 +192,16 @@ class Reporter:
         max_frames = self.options.max_frames_to_save
         chosen = set()
         floor = min(self.ring.floor, offender)
-        for want in {"forward", section}:
+        valid_end = off.start + off.n_records  # the ring froze after the offending frame
+        blamed = None
+        if self.lineage is not None and getattr(off.owner, "op", None) is None:
+            blamed = self._blame_operation(offender, host_ring, valid_end)
+        anchors = [("forward", offender), (section, offender)]
+        if blamed is not None:
+            anchors.append((frames[blamed].section, blamed))
+        for want, anchor in anchors:
             count = 0
-            j = offender
+            j = anchor
             # Operation frames: the offender and the few just before it.
             limit = (min(max_frames, OPERATION_FRAMES)
                      if want in (_operations.SECTION, _operations.BACKWARD_SECTION) else max_frames)
@@ -129,7 +214,6 @@ class Reporter:
                 j -= 1
         lo = min(chosen) if chosen else offender
         tables = self.weights.host_tables({frames[j].batch for j in range(lo, offender + 1)})
-        valid_end = off.start + off.n_records  # the ring froze after the offending frame
         out_frames = []
         for j in range(lo, offender + 1):
             fr = self.frame_record(frames[j], host_ring, tables, valid_end)
@@ -152,6 +236,8 @@ class Reporter:
         }
         if "op" in offender_frame:
             report["operation"] = _operation_summary(offender_frame)
+        elif blamed is not None:
+            report["operation"] = _operation_summary(out_frames[blamed - lo])
         return report
 
     # -- a trip ----------------------------------------------------------------------------------
