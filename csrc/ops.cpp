@@ -24,6 +24,12 @@ TORCH_LIBRARY(numguard, m) {
   // whose abs max exceeds headroom * finfo.max (headroom <= 0 disables that check).
   // ring: float64[R, 8]; state: int64[4] (see StateField in numguard/stats_reduce.h).
   m.def("record_(Tensor(a!) ring, Tensor(b!) state, Tensor[] xs, int position, float headroom) -> ()");
+  // record_ for a frame recorded inside a compiled graph (or a captured CUDA graph): the frame
+  // starts at cursor[0], not at a host position; unless the ring is frozen, the call logs
+  // (slot, start, cursor[2]) at log row cursor[1] mod L and advances cursor[0] by len(xs) and
+  // cursor[1] by 1. cursor: int64[3], log: int64[L, 3] (see numguard/graph_record.h).
+  m.def("record_at_cursor_(Tensor(a!) ring, Tensor(b!) state, Tensor(c!) cursor, Tensor(d!) log, Tensor[] xs, "
+        "int slot, float headroom) -> ()");
 }
 
 namespace {

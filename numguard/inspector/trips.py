@@ -33,6 +33,16 @@ def _operation_summary(frame):
             "output_abs_max": bad_out[0] if bad_out else (max(outputs) if outputs else None)}
 
 
+def _record_at(host_ring, position, valid_end):
+    """The host record at `position` (None once overwritten): a ring's host copy, or
+    graph.HostRecords when compiled graphs' frames are in the report."""
+    lookup = getattr(host_ring, "record_at", None)
+    if lookup is not None:
+        return lookup(position)
+    size = host_ring.shape[0]
+    return None if position < valid_end - size else [float(v) for v in host_ring[position % size]]
+
+
 class Reporter:
     """Turns a tripped state into a report and the configured action. Owns nothing on the device:
     it reads the FrameRing and the WeightTable it is given."""
@@ -47,6 +57,11 @@ class Reporter:
         self.last_report = None
         self.trip_message = None          # the NonFiniteError text, when the caller wants its own
         self.step_counter = None          # (label, read): a framework's step, shown next to the batch
+        self.graph = None                 # the inspector's GraphRecorder (frames inside compiled graphs)
+
+    def forget_graph_frames(self):
+        if self.graph is not None:
+            self.graph.forget_frames()
 
     # -- report dictionaries ---------------------------------------------------------------------
     def frame_record(self, f, host_ring, tables, valid_end):
@@ -67,7 +82,6 @@ class Reporter:
                     records.append(None)
                     dtypes.append(None)
                     shapes.append(None)
-        size = host_ring.shape[0]
         t = 0
         for label, kind in zip(f.labels, f.kinds):
             base = kind & 3
@@ -76,7 +90,7 @@ class Reporter:
             extra.append(bool(kind & EXTRA) or not f.hf)
             if base == TENSOR:
                 p = f.positions[t]
-                records.append(None if p < valid_end - size else [float(v) for v in host_ring[p % size]])
+                records.append(_record_at(host_ring, p, valid_end))
                 dtypes.append(str(f.dtypes[t]))
                 shapes.append(list(f.shapes[t]))
                 t += 1
@@ -93,14 +107,16 @@ class Reporter:
             out["site"] = owner.site
         return out
 
-    def build_report(self, offender, host_ring, found_at=None) -> dict:
-        """The report dictionary (numguard.dump's schema) for the frame at index `offender`."""
-        frames = self.ring.frames
+    def build_report(self, offender, host_ring, found_at=None, view=None) -> dict:
+        """The report dictionary (numguard.dump's schema) for the frame at index `offender` of
+        `view`'s frames (the ring's, or graph.ReportView's with compiled graphs' frames)."""
+        view = view or self.ring
+        frames = view.frames
         off = frames[offender]
         section = off.section
         max_frames = self.options.max_frames_to_save
         chosen = set()
-        floor = min(self.ring.floor, offender)
+        floor = min(view.floor, offender)
         for want in {"forward", section}:
             count = 0
             j = offender
@@ -150,12 +166,16 @@ class Reporter:
         labels = []
         batch = None
         if status.tripped:
-            offender = self.ring.find_offender(status.first_trip)
+            view = self.ring
+            if self.graph is not None and self.graph.used:
+                # Frames recorded inside compiled graphs: only now are their log and ring read.
+                view, host_ring = self.graph.report_view(self.ring, host_ring)
+            offender = view.find_offender(status.first_trip)
             if offender is not None:
                 try:
-                    report = self.build_report(offender, host_ring, status.found_at)
+                    report = self.build_report(offender, host_ring, status.found_at, view)
                 except Exception as exc:  # the NaN is real even if numguard cannot render it
-                    off = self.ring.frames[offender]
+                    off = view.frames[offender]
                     module, batch = off.owner.name, off.batch
                     warnings.warn(f"numguard: could not render the report ({type(exc).__name__}: {exc})",
                                   InspectorWarning, stacklevel=5)
@@ -164,7 +184,7 @@ class Reporter:
                     labels = report["labels"]
                     batch = report["batch"]
                     if on_report is not None:
-                        on_report(report, sum(1 for f in self.ring.frames[offender + 1:] if f.hf))
+                        on_report(report, sum(1 for f in view.frames[offender + 1:] if f.hf))
             else:
                 module = "(frames no longer in the ring)"
         ranks = []
@@ -180,6 +200,7 @@ class Reporter:
                 report["framework_step"] = {"name": step[0], "value": step[1]}
         self.last_report = report
         self.ring.reset_after_trip()
+        self.forget_graph_frames()
         rank = checks.rank()
         text = _report.render(report, self.options.extras) if report is not None else ""
         self.trips += 1
@@ -321,15 +342,19 @@ class Reporter:
     # -- trace mode ------------------------------------------------------------------------------
     def print_trace(self, batch):
         """Print every forward frame of `batch` in Transformers' trace format."""
-        frames = self.ring.frames
+        view, host_ring = self.ring, None
+        if self.graph is not None and self.graph.used:
+            view, host_ring = self.graph.report_view(self.ring, self.ring.host_copy())
+        frames = view.frames
         first = None
-        for i in range(len(frames) - 1, self.ring.floor - 1, -1):
+        for i in range(len(frames) - 1, view.floor - 1, -1):
             if frames[i].batch != batch:
                 break
             first = i
         if first is None:
             return
-        host_ring = self.ring.host_copy()
+        if host_ring is None:
+            host_ring = self.ring.host_copy()
         tables = self.weights.host_tables({batch})
         records = [self.frame_record(f, host_ring, tables, self.ring.pos) for f in frames[first:]
                    if f.section == "forward"]
