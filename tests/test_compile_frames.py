@@ -4,6 +4,7 @@ names the first bad submodule exactly as eager mode does, with no graph break, n
 per batch and no host sync of numguard's own."""
 import contextlib
 import io
+import warnings
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from torch._dynamo.utils import counters
 
 import numguard
 from numguard import _torch_ops, schema
-from numguard.errors import NonFiniteWarning
+from numguard.errors import HeadroomWarning, NonFiniteWarning
 from numguard.inspector import graph as _graph
 from numguard.testing import SyncCounter
 
@@ -435,3 +436,28 @@ def test_slot_metadata_is_registered_once_per_layout():
         for _ in range(3):
             compiled(torch.randn(4, 8))
     assert len(_graph._slots) - before == 8
+
+
+class Loud(nn.Module):
+    """Returns float16 values at 92% of float16's largest finite value."""
+
+    def forward(self, x):
+        return (x * 0 + 60000.0).half()
+
+
+def test_headroom_inside_the_graph_warns_once_naming_the_module():
+    model = nn.Sequential(nn.Linear(8, 8), Loud())
+    compiled = torch.compile(model)
+    x = torch.randn(2, 8)
+    with numguard.watch(compiled, headroom=0.5, report_to=None):
+        with pytest.warns(HeadroomWarning) as caught:
+            compiled(x)
+        messages = [str(w.message) for w in caught if issubclass(w.category, HeadroomWarning)]
+        assert messages[0].startswith("numguard: 1 (Loud) output reached abs max 6e+04, 92% of float16's")
+        graphs = counters["stats"]["unique_graphs"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", HeadroomWarning)  # a module warns once
+            compiled(x)
+            compiled(x)
+    # The module that warned records without a headroom check from then on: traced once more.
+    assert counters["stats"]["unique_graphs"] <= graphs + 1

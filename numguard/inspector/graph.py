@@ -117,7 +117,6 @@ class GraphRecorder:
         self.used = False          # a graph recording into it was traced
         self.records = records
         self.log_rows = log_rows
-        self._display = {}         # owner index -> Owner named as in eager mode
         self._allocate(device)
 
     @outside_inference_mode
@@ -152,21 +151,13 @@ class GraphRecorder:
     def _owner(self, index):
         """The owner as eager mode names it: a compiled model's modules without the prefix of
         torch.compile's wrapper (its model's own frame is then the root's frame, "")."""
-        owner = self._display.get(index)
-        if owner is not None:
-            return owner
         inspector = self._inspector()
         owner = inspector._owners[index]
         name = owner.name
         root = inspector.model
         if root is not None and isinstance(root, torch._dynamo.eval_frame.OptimizedModule) and (
                 name == _COMPILED_PREFIX or name.startswith(_COMPILED_PREFIX + ".")):
-            shown = _frames.Owner(owner.index, name[len(_COMPILED_PREFIX) + 1:], owner.cls, owner.ref,
-                                  headroom=owner.headroom)
-            shown.wnames, shown.widx, shown.flag = owner.wnames, owner.widx, owner.flag
-            shown.is_root = shown.is_top = name == _COMPILED_PREFIX
-            owner = shown
-        self._display[index] = owner
+            return ShownOwner(owner, name[len(_COMPILED_PREFIX) + 1:], is_root=name == _COMPILED_PREFIX)
         return owner
 
     def logged_frames(self, first_batch):
@@ -196,6 +187,26 @@ class GraphRecorder:
         graph_frames, graph_host, graph_end = self.logged_frames(first_batch)
         view = ReportView(ring, graph_frames)
         return view, HostRecords(host_ring, ring.pos, graph_host, graph_end)
+
+
+class ShownOwner(_frames.Owner):
+    """A module of a compiled model under its eager name, for a report. Its headroom is the
+    module's own (a module that warned stays quiet)."""
+    __slots__ = ("source",)
+
+    def __init__(self, source, name, is_root):
+        self.source = source
+        super().__init__(source.index, name, source.cls, source.ref, headroom=source.headroom)
+        self.wnames, self.widx, self.flag = source.wnames, source.widx, source.flag
+        self.is_root = self.is_top = is_root
+
+    @property
+    def headroom(self):
+        return self.source.headroom
+
+    @headroom.setter
+    def headroom(self, value):
+        self.source.headroom = value
 
 
 def _is_compiled_wrapper(owner):

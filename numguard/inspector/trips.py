@@ -282,10 +282,14 @@ class Reporter:
         """Warn for each module whose low-precision tensor passed `headroom` of its dtype's
         largest value (a module warns once), then re-arm the flags."""
         ring = self.ring
-        size = host_ring.shape[0]
         limit = self.options.headroom
         reported = set()  # a tensor seen by several modules is reported for the first (its producer)
-        for f in ring.frames[:boundary]:
+        frames = ring.frames[:boundary]
+        if self.graph is not None and self.graph.used:
+            # With the frames recorded inside compiled graphs (their log and ring read only now).
+            view, host_ring = self.graph.report_view(ring, host_ring)
+            frames = view.frames
+        for f in frames:
             owner = f.owner
             if owner.headroom == 0.0:
                 continue
@@ -297,10 +301,13 @@ class Reporter:
                 p = f.positions[t]
                 t += 1
                 dmax = LOW_PRECISION_MAX.get(dtype)
-                if dmax is None or p < ring.pos - size or p in reported:
+                if dmax is None or p in reported:
+                    continue
+                record = _record_at(host_ring, p, ring.pos)
+                if record is None:
                     continue
                 reported.add(p)
-                value = float(host_ring[p % size][schema.ABS_MAX])
+                value = record[schema.ABS_MAX]
                 if value > limit * dmax:
                     self._warn_headroom(owner, label, value, dtype, dmax)
                     break
