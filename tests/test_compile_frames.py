@@ -461,3 +461,31 @@ def test_headroom_inside_the_graph_warns_once_naming_the_module():
             compiled(x)
     # The module that warned records without a headroom check from then on: traced once more.
     assert counters["stats"]["unique_graphs"] <= graphs + 1
+
+
+def test_transformers_gpt2_compiled_report_equals_eager():
+    transformers = pytest.importorskip("transformers")
+    reports = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=16,
+                                      bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(cfg).eval()
+        runner = torch.compile(model) if compiled else model
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+        text = io.StringIO()
+        with numguard.watch(runner, report_to=text):
+            with torch.no_grad():
+                runner(ids)
+                model.transformer.h[1].mlp.c_proj.weight[0, 0] = float("nan")
+                with pytest.raises(numguard.NonFiniteError) as info:
+                    runner(ids)
+        reports.append((text.getvalue(), info.value.module, info.value.labels))
+    assert reports[1][1] == reports[0][1] == "transformer.h.1.mlp.c_proj"
+    assert reports[1][2] == reports[0][2]
+    # Inductor's fused arithmetic may differ from eager's in the last printed digit: the module,
+    # label and batch lines (the text after the two value columns) are identical, byte for byte.
+    eager_lines, compiled_lines = ([line[18:] for line in r[0].splitlines()] for r in reports)
+    assert compiled_lines == eager_lines
+    assert len(eager_lines) > 80
