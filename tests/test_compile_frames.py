@@ -489,3 +489,23 @@ def test_transformers_gpt2_compiled_report_equals_eager():
     eager_lines, compiled_lines = ([line[18:] for line in r[0].splitlines()] for r in reports)
     assert compiled_lines == eager_lines
     assert len(eager_lines) > 80
+
+
+def test_dynamic_shapes_record_without_graph_break_or_recompile_per_size():
+    model = make_net()
+    compiled = torch.compile(model)  # automatic dynamic shapes: recompiled once, dynamic, on a new size
+    with numguard.watch(compiled, report_to=None) as inspector:
+        for n in (3, 5, 7, 9):
+            compiled(torch.randn(n, 8))
+        graphs = counters["stats"]["unique_graphs"]
+        compiled(torch.randn(11, 8))
+        assert counters["stats"]["unique_graphs"] == graphs
+        frames, _, _ = inspector._graph.logged_frames(0)
+        model.planted.bad = True  # changes the model's own code path: traced once more
+        with pytest.raises(numguard.NonFiniteError) as info:
+            compiled(torch.randn(6, 8))
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert info.value.module == "planted"
+    assert [f.owner.name for f in frames[-8:]] == ["inp", "act", "block.proj", "block.norm", "block", "planted",
+                                                   "out", ""]
+    assert frames[-8].shapes == [(-1, 8), (-1, 16)]  # the batch dimension is dynamic in the graph

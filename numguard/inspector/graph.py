@@ -21,6 +21,7 @@ import weakref
 from typing import NamedTuple
 
 import torch
+from torch._dynamo.comptime import comptime
 
 from .. import ops, schema
 from . import frames as _frames
@@ -35,33 +36,51 @@ _COMPILED_PREFIX = "_orig_mod"  # torch.compile's OptimizedModule holds the mode
 class Slot(NamedTuple):
     """What one traced module call records: the host metadata of its frame."""
     recorder: int        # GraphRecorder.key
-    owner_index: int     # the Owner's index in its inspector
+    owner_name: str      # the Owner's name in its inspector (a string: an int attribute may turn
+                         # symbolic under dynamic shapes, and a slot id must be a constant)
     labels: tuple
     kinds: tuple
     dtypes: tuple
-    shapes: tuple        # -1 for a dimension that is symbolic in the graph
     n_records: int       # tensors, plus the module's weight flag
 
 
 _slots: list = []
 _slot_ids: dict = {}
+_slot_shapes: dict = {}        # slot id -> shapes of its tensors (from the latest trace)
 _recorders = weakref.WeakValueDictionary()
 _keys = itertools.count()
 
 
 @torch._dynamo.assume_constant_result
-def _slot_for(recorder, owner_index, labels, kinds, dtypes, shapes, with_flag):
+def _slot_for(recorder, owner_name, labels, kinds, dtypes, with_flag):
     """The slot id of a frame layout, registered on first sight. Dynamo calls this while it
-    traces and puts the result in the graph as a constant: it never runs when the graph runs."""
-    key = (recorder, owner_index, labels, kinds, dtypes, shapes, with_flag)
+    traces and puts the result in the graph as a constant: it never runs when the graph runs.
+    (Shapes are not an argument: a dynamic dimension is no constant; _note_shapes reads them.)"""
+    key = (recorder, owner_name, labels, kinds, dtypes, with_flag)
     slot = _slot_ids.get(key)
     if slot is None:
         slot = _slot_ids[key] = len(_slots)
-        _slots.append(Slot(recorder, owner_index, labels, kinds, dtypes, shapes, len(dtypes) + bool(with_flag)))
+        _slots.append(Slot(recorder, owner_name, labels, kinds, dtypes, len(dtypes) + bool(with_flag)))
         graph = _recorders.get(recorder)
         if graph is not None:
             graph.used = True
     return slot
+
+
+def _note_shapes(ctx):
+    """At trace time (torch._dynamo.comptime, no graph break): the shapes of record_in_graph's
+    `xs` under its `slot`, -1 for a dimension that is dynamic in the graph. The latest trace of
+    a slot wins. Best effort: shapes are report detail, never worth failing a compile for."""
+    try:
+        slot = ctx.get_local("slot").as_python_constant()
+        xs = ctx.get_local("xs")._i_will_not_complain_if_bc_breaks_VariableTracker()
+        shapes = []
+        for x in xs.items:
+            fake = x.as_proxy().node.meta["example_value"]
+            shapes.append(tuple(d if type(d) is int else -1 for d in fake.shape))
+        _slot_shapes[slot] = tuple(shapes)
+    except Exception:  # noqa: BLE001 - see the docstring
+        pass
 
 
 def _recordable(x, device):
@@ -80,10 +99,6 @@ def _recordable(x, device):
     return x
 
 
-def _static_shape(x):
-    return tuple(d if type(d) is int else -1 for d in x.shape)
-
-
 def record_in_graph(inspector, owner, args, kwargs, output):
     """The module hook's work while dynamo traces it: one record_at_cursor_ op in the graph."""
     graph = inspector._graph
@@ -96,8 +111,9 @@ def record_in_graph(inspector, owner, args, kwargs, output):
     ring = inspector._ring
     device = ring.device
     flag = owner.flag
-    slot = _slot_for(graph.key, owner.index, tuple(labels), tuple(kinds), tuple(x.dtype for x in xs),
-                     tuple(_static_shape(x) for x in xs), flag is not None)
+    slot = _slot_for(graph.key, owner.name, tuple(labels), tuple(kinds), tuple(x.dtype for x in xs),
+                     flag is not None)
+    comptime(_note_shapes)
     xs = [_recordable(x, device) for x in xs]
     if flag is not None:
         # Its weight flag (NaN when one of its weights is non-finite) trips at this frame, as in eager mode.
@@ -112,7 +128,7 @@ class GraphRecorder:
 
     def __init__(self, inspector, device, records=GRAPH_RING_RECORDS, log_rows=GRAPH_LOG_ROWS):
         self._inspector = weakref.ref(inspector)
-        self.key = next(_keys)
+        self.key = f"graph{next(_keys)}"  # a string: dynamo keeps it a constant under dynamic shapes
         _recorders[self.key] = self
         self.used = False          # a graph recording into it was traced
         self.records = records
@@ -148,12 +164,11 @@ class GraphRecorder:
         return position >= schema.GRAPH_POSITION_BASE
 
     # -- after a trip: the host side ------------------------------------------------------------
-    def _owner(self, index):
+    def _owner(self, owners, name):
         """The owner as eager mode names it: a compiled model's modules without the prefix of
         torch.compile's wrapper (its model's own frame is then the root's frame, "")."""
         inspector = self._inspector()
-        owner = inspector._owners[index]
-        name = owner.name
+        owner = owners[name]
         root = inspector.model
         if root is not None and isinstance(root, torch._dynamo.eval_frame.OptimizedModule) and (
                 name == _COMPILED_PREFIX or name.startswith(_COMPILED_PREFIX + ".")):
@@ -167,15 +182,18 @@ class GraphRecorder:
         log = self.log.cpu().tolist()
         host = self.ring.cpu().numpy()
         floor = int(self.floor_calls.item()) if self.floor_calls is not None else 0
+        owners = {owner.name: owner for owner in self._inspector()._owners}
         frames = []
         for call in range(max(floor, calls - self.log_rows), calls):
             slot_id, start, batch = log[call % self.log_rows]
             if batch < first_batch or start < end - self.records or not 0 <= slot_id < len(_slots):
                 continue
             slot = _slots[slot_id]
+            if slot.owner_name not in owners:
+                continue
             n = len(slot.dtypes)
-            frames.append(_frames.Frame(self._owner(slot.owner_index), batch, start, list(slot.labels),
-                                        list(slot.kinds), list(slot.dtypes), [tuple(s) for s in slot.shapes],
+            frames.append(_frames.Frame(self._owner(owners, slot.owner_name), batch, start, list(slot.labels),
+                                        list(slot.kinds), list(slot.dtypes), list(_slot_shapes.get(slot_id, ((),) * n)),
                                         "forward", None, slot.n_records, True, True,
                                         [start + i for i in range(n)], start))
         return frames, host, end
