@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 
 import numguard
 from numguard import _torch_ops, schema
-from numguard.errors import HeadroomWarning, NonFiniteWarning
+from numguard.errors import HeadroomWarning, InspectorWarning, NonFiniteWarning
 from numguard.inspector import graph as _graph
 from numguard.testing import SyncCounter
 
@@ -509,3 +509,18 @@ def test_dynamic_shapes_record_without_graph_break_or_recompile_per_size():
     assert [f.owner.name for f in frames[-8:]] == ["inp", "act", "block.proj", "block.norm", "block", "planted",
                                                    "out", ""]
     assert frames[-8].shapes == [(-1, 8), (-1, 16)]  # the batch dimension is dynamic in the graph
+
+
+def test_a_model_compiled_before_watch_is_named_in_a_warning():
+    model = make_net()
+    compiled = torch.compile(model)
+    x = torch.randn(4, 8)
+    compiled(x)  # compiled without numguard's hooks: dynamo reuses this code after watch()
+    with numguard.watch(compiled, report_to=None):
+        with pytest.warns(InspectorWarning, match="compiled before watch"):
+            compiled(x)
+    torch._dynamo.reset()
+    with numguard.watch(compiled, report_to=None):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", InspectorWarning)
+            compiled(x)

@@ -388,6 +388,12 @@ class Inspector(ModuleHooks):
         self._batch_open = False
         self._ring.seen.clear()
         self._ring.pending_start = self._batches_done
+        if batch == 0 and self._graph is not None and self._graph.untraced_submodules(self):
+            self._warn_once(("graph",), "numguard: the compiled model's submodules were not recorded: it was "
+                                        "compiled before watch() added numguard's hooks (dynamo does not "
+                                        "recompile for hooks), so only its output and weights are checked. "
+                                        "Call watch() before the compiled model's first call, or "
+                                        "torch._dynamo.reset() before watch().")
         traced = batch in self.trace_batch_nums
         if traced:
             self._guarded(self._reporter.print_trace, batch)

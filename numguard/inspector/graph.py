@@ -158,6 +158,18 @@ class GraphRecorder:
         if self.used:
             self.floor_calls = self.cursor[schema.CURSOR_CALLS].clone()
 
+    def untraced_submodules(self, inspector):
+        """After the first batch: whether a compiled model ran without numguard's hooks in its
+        graph (it was compiled before watch(); dynamo does not guard on hooks, so it reused that
+        code): no frame but the model's own was recorded, in the graph or eagerly."""
+        root = inspector.model
+        if not isinstance(root, torch._dynamo.eval_frame.OptimizedModule) or len(inspector._owners) <= 2:
+            return False
+        own = {"", _COMPILED_PREFIX}
+        recorded = {slot.owner_name for slot in _slots if slot.recorder == self.key}
+        recorded.update(f.owner.name for f in inspector._ring.frames)
+        return recorded <= own
+
     @staticmethod
     def owns(position):
         """Whether a trip or headroom position is a graph record's."""
