@@ -35,7 +35,7 @@ _COMPILED_PREFIX = "_orig_mod"  # torch.compile's OptimizedModule holds the mode
 
 class Slot(NamedTuple):
     """What one traced module call records: the host metadata of its frame."""
-    recorder: int        # GraphRecorder.key
+    recorder: str        # GraphRecorder.key
     owner_name: str      # the Owner's name in its inspector (a string: an int attribute may turn
                          # symbolic under dynamic shapes, and a slot id must be a constant)
     labels: tuple
