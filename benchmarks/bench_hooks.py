@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import numguard  # noqa: E402
+from numguard import schema  # noqa: E402
 from numguard.testing import SyncCounter  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -255,6 +256,8 @@ def main():
     parser.add_argument("--sync-steps", type=int, default=2)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compiled", action="store_true",
+                        help="only the compiled rows (bench_compiled): torch.compile'd train steps, watched vs not")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                      "bench_hooks.json"))
     parser.add_argument("--conditions", default=None,
@@ -264,6 +267,8 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.compiled:
+        return main_compiled(args)
     rows = []
     only = set(c.strip() for c in args.conditions.split(",")) if args.conditions else None
     advise_rows = []
@@ -291,6 +296,130 @@ def main():
                    "machine": platform.machine(), "processor": platform.processor(), "rows": rows,
                    "advise": advise_rows}, f, indent=1)
     print(f"\nwrote {args.out}")
+
+
+# -- compiled rows -----------------------------------------------------------------------------
+# A torch.compile'd (inductor, CPU) train step with every submodule recorded inside the graph
+# (numguard.watch(torch.compile(model))), against the same compiled step unwatched. Two copies of
+# the model with the same weights, each compiled once before timing; the steps are interleaved.
+
+def _compile_counts(counters):
+    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
+
+
+class NumguardGraphBreaks:
+    """Graph breaks whose user code traceback passes through numguard (dynamo's graph_breaks log,
+    its stderr output muted meanwhile). The model's own breaks are not counted."""
+
+    def __init__(self):
+        import logging
+
+        import torch._logging
+
+        self.count = 0
+        torch._logging.set_logs(graph_breaks=True)
+        self.logger = logging.getLogger("torch._dynamo")
+        self.muted = [(h, h.level) for h in self.logger.handlers]
+        for handler, _ in self.muted:
+            handler.setLevel(logging.CRITICAL)
+        outer = self
+
+        class Handler(logging.Handler):
+            def emit(self, record):
+                message = record.getMessage()
+                if "Graph break" in message and "/numguard/" in message:
+                    outer.count += 1
+
+        self.handler = Handler()
+        self.logger.addHandler(self.handler)
+
+    def close(self):
+        import torch._logging
+
+        self.logger.removeHandler(self.handler)
+        for handler, level in self.muted:
+            handler.setLevel(level)
+        torch._logging.set_logs()
+
+
+def bench_compiled(name, reps, steps):
+    import copy
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    base, train_run, _ = MODELS[name]()
+    base.train(True)
+    params = sum(p.numel() for p in base.parameters())
+    setups = {}
+    # By default dynamo does not guard on module hooks (skip_nnmodule_hook_guards): the two copies
+    # share code objects, and one could run the code compiled for the other (with or without the
+    # hooks). Guarding on hooks gives each copy its own graphs (the same guard cost in both rows);
+    # the frames/step column shows the watched copy's frames are recorded in its graph.
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
+    for cname in ("compiled, no hooks", "compiled, numguard (frames in the graph)"):
+        model = copy.deepcopy(base)
+        compiled = torch.compile(model, backend="inductor")
+        handle = numguard.watch(compiled, report_to=None) if "numguard" in cname else Nothing(compiled)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        step = make_step(compiled, train_run, True, optimizer)
+        counters.clear()
+        breaks = NumguardGraphBreaks()
+        t0 = time.perf_counter()
+        try:
+            step()  # compiles forward and backward
+            step()
+        finally:
+            breaks.close()
+        compile_s = time.perf_counter() - t0
+        setups[cname] = (step, handle, dict(_compile_counts(counters), by_numguard=breaks.count), compile_s)
+        print(f"{cname}: compiled in {compile_s:.0f} s, {setups[cname][2]}", flush=True)
+    counters.clear()
+    times = {c: [] for c in setups}
+    for _ in range(reps):
+        for cname, (step, _, _, _) in setups.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            times[cname].append((time.perf_counter() - t0) / steps)
+    recompiled = _compile_counts(counters)  # graphs made or broken while timing: 0 when compiled once
+    rows = []
+    base_s = statistics.median(times["compiled, no hooks"])
+    for cname, (_, handle, counts, compile_s) in setups.items():
+        med = statistics.median(times[cname])
+        graph = getattr(handle, "_graph", None)
+        rows.append({"model": name, "params": params, "step": "train (compiled)", "condition": cname,
+                     "median_s": med, "ratio": med / base_s, "samples_s": times[cname], "compile_s": compile_s,
+                     "graphs": counts["graphs"], "graph_breaks": counts["graph_breaks"],
+                     "graph_breaks_by_numguard": counts["by_numguard"],
+                     "graphs_made_while_timing": recompiled["graphs"],
+                     "frames_in_graph_per_step": None if graph is None else
+                     graph.cursor[schema.CURSOR_CALLS].item() // (2 + reps * steps)})
+        handle.close()
+    return rows
+
+
+def main_compiled(args):
+    rows = []
+    for name in args.models.split(","):
+        rows += bench_compiled(name.strip(), args.reps, args.steps)
+    header = (f"{'model':9} {'params':>7} {'condition':42} {'wall ms':>8} {'ratio':>6} {'graphs':>6} "
+              f"{'breaks':>6} {'by numguard':>11} {'recompiled':>10} {'frames/step':>11}")
+    print("compiled (inductor, CPU) train step; medians over interleaved repetitions; ratio = condition / "
+          "compiled, no hooks")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        frames = "" if r["frames_in_graph_per_step"] is None else r["frames_in_graph_per_step"]
+        print(f"{r['model']:9} {r['params'] / 1e6:6.1f}M {r['condition']:42} {r['median_s'] * 1e3:8.2f} "
+              f"{r['ratio']:6.2f} {r['graphs']:6} {r['graph_breaks']:6} {r['graph_breaks_by_numguard']:11} "
+              f"{r['graphs_made_while_timing']:10} {frames:>11}")
+    out = args.out.replace(".json", "_compiled.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"torch": torch.__version__, "numguard_backend": numguard.backend(), "threads": args.threads,
+                   "reps": args.reps, "steps": args.steps, "machine": platform.machine(), "rows": rows}, f, indent=1)
+    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """GPU check of numguard's CUDA kernels: records against the pure-PyTorch reference on hostile values,
 every dtype and layout, more tensors than one launch holds; then tensor_stats, multi_tensor_stats and
 record_ captured in one CUDA graph and replayed (twice, with new input values in between), each
-replay checked against eager calls. Exits non-zero on any mismatch.
+replay checked against eager calls; record_at_cursor_ captured and replayed (each replay records at
+the device cursor); a watched torch.compile'd model's call captured in a CUDA graph, its module
+frames recorded inside the graph and a NaN planted between replays reported. Exits non-zero on any
+mismatch.
 
-    python benchmarks/cuda_graph_check.py
+    python benchmarks/cuda_graph_check.py [--compiled]   (--compiled: only the compiled-model capture)
 """
 from __future__ import annotations
 
@@ -161,6 +164,133 @@ def no_sync(device) -> None:
         torch.cuda.set_sync_debug_mode("default")
 
 
+# -- recording inside compiled graphs (record_at_cursor_) ---------------------------------------
+
+def graph_cursor_capture(device) -> None:
+    """record_at_cursor_ captured once and replayed: each replay writes at the position the
+    device cursor holds then (no host counter baked into the graph), logs its calls, advances."""
+    from numguard import schema
+
+    base = schema.GRAPH_POSITION_BASE
+    gen = torch.Generator().manual_seed(2)
+    xs = [torch.randn(4097, generator=gen).to(device), torch.randn(300, generator=gen).to(device, torch.float16),
+          torch.ones(3, 4, device=device).t()]
+    ring, state = ops.new_ring(16, device)
+    cursor, log = ops.new_graph_cursor(8, device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ops.record_at_cursor_(ring, state, cursor, log, xs[:1], 0, 0.5)  # warm-up, then start over
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    ring.zero_()
+    cursor.copy_(ops.new_graph_cursor(8, device)[0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.record_at_cursor_(ring, state, cursor, log, xs[:2], 3, 0.5)
+        ops.record_at_cursor_(ring, state, cursor, log, xs[2:], 4, 0.5)
+    eager = numguard.multi_tensor_stats(xs)
+    for replay in range(3):
+        cursor[schema.CURSOR_BATCH].fill_(replay)
+        graph.replay()
+        torch.cuda.synchronize()
+        start = base + 3 * replay
+        rows = [(start + i) % 16 for i in range(3)]
+        check(f"cursor replay {replay}: rows", ring[rows], eager)
+        want_log = [[3, start, replay], [4, start + 2, replay]]
+        got_log = log[[2 * replay, 2 * replay + 1]].cpu().tolist()
+        if got_log != want_log:
+            failures.append(f"cursor replay {replay}: log {got_log} != {want_log}")
+    if cursor.cpu().tolist() != [base + 9, 6, 2] or state.cpu().tolist() != [0, -1, 0, -1]:
+        failures.append(f"cursor after replays {cursor.cpu().tolist()}, state {state.cpu().tolist()}")
+    xs[1][7] = float("nan")  # the 4th replay trips at its 2nd record and freezes cursor and log
+    graph.replay()
+    frozen = [t.clone() for t in (ring, cursor, log)]
+    graph.replay()
+    torch.cuda.synchronize()
+    # The 4th replay's first call (records at base+9, base+10) trips and is logged; its second is not.
+    if state.cpu().tolist()[:2] != [1, base + 10] or cursor.cpu().tolist()[:2] != [base + 11, 7]:
+        failures.append(f"trip in a replay: state {state.cpu().tolist()}, cursor {cursor.cpu().tolist()}")
+    for name, before, now in zip(("ring", "cursor", "log"), frozen, (ring, cursor, log)):
+        if not torch.equal(before, now):
+            failures.append(f"frozen {name} changed in a replay after the trip")
+
+
+def compiled_step_capture(device) -> None:
+    """A watched torch.compile'd model's call captured in a CUDA graph: its submodules' frames are
+    recorded inside the compiled graph at the device cursor, each replay's frames land after the
+    previous ones, and a NaN planted between replays is reported naming its submodule."""
+    import torch._dynamo
+    from torch import nn
+
+    from numguard import schema
+
+    class Scaled(nn.Module):
+        """Multiplies by a device scalar (set to NaN to plant one without retracing)."""
+
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.ones(()))
+
+        def forward(self, x):
+            return x * self.scale
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), Scaled(), nn.Linear(128, 8)).to(device)
+    compiled = torch.compile(model)
+    # No batch-end read inside the captured call (a read cannot be captured): the check runs after
+    # the replays (check_now).
+    inspector = numguard.watch(compiled, report_to=None, check_every=1 << 30)
+    x = torch.randn(32, 64, device=device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(3):
+            compiled(x)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    recorder = inspector._graph
+    if recorder is None or not recorder.used:
+        failures.append("compiled capture: no frame was recorded inside the compiled graph")
+        inspector.close(check=False)
+        return
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph), torch.no_grad():
+            compiled(x)
+    except Exception as exc:  # noqa: BLE001 - reported as a failure of this check
+        failures.append(f"compiled capture: {type(exc).__name__}: {exc}")
+        inspector.close(check=False)
+        return
+    calls = recorder.cursor[schema.CURSOR_CALLS].item()
+    per_call = 5  # the model's own frame and its four submodules'
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    got = recorder.cursor[schema.CURSOR_CALLS].item() - calls
+    if got != 3 * per_call:
+        failures.append(f"compiled capture: 3 replays logged {got} module calls, want {3 * per_call}")
+    frames, _, _ = recorder.logged_frames(0)
+    names = [f.owner.name for f in frames[-per_call:]]
+    if names != ["0", "1", "2", "3", ""]:
+        failures.append(f"compiled capture: last replay's frames {names}")
+    starts = [f.start for f in frames]
+    if starts != sorted(starts) or len(set(starts)) != len(starts):
+        failures.append("compiled capture: replays wrote over each other's frames")
+    model[2].scale.fill_(float("nan"))
+    graph.replay()
+    try:
+        inspector.check_now("after the CUDA graph replays")
+        failures.append("compiled capture: the NaN planted between replays was not reported")
+    except numguard.NonFiniteError as exc:
+        if exc.module != "2" or exc.labels != ["output"]:
+            failures.append(f"compiled capture: report names {exc.module!r} {exc.labels}, want '2' ['output']")
+    finally:
+        inspector.close(check=False)
+        torch._dynamo.reset()
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("cuda_graph_check: no CUDA device visible")
@@ -172,8 +302,11 @@ def main() -> int:
         return 1
     device = torch.device("cuda")
     print(f"cuda_graph_check: {torch.cuda.get_device_name()} archs={native.cuda_architectures()}")
-    for name, fn in (("correctness vs reference", correctness), ("CUDA graph capture/replay", graph_capture),
-                     ("no host sync", no_sync)):
+    checks = (("correctness vs reference", correctness), ("CUDA graph capture/replay", graph_capture),
+              ("no host sync", no_sync), ("record_at_cursor_ in a CUDA graph", graph_cursor_capture))
+    if "--compiled" in sys.argv[1:]:  # its own gpu_check phase: torch.compile takes a while
+        checks = (("watched compiled call in a CUDA graph", compiled_step_capture),)
+    for name, fn in checks:
         start = time.perf_counter()
         before = len(failures)
         fn(device)

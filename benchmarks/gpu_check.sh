@@ -117,6 +117,11 @@ assert step() == (size, total) and step.finder.tried == [(size, "ok")], "found s
 print("batch finder on CUDA: ok")
 PYEOF
 
+# --- 2d. a watched torch.compile'd model's call captured in a CUDA graph -----------------------
+# Module frames recorded inside the compiled graph at the device cursor, replays logged one after
+# another, a NaN planted between replays reported naming its submodule.
+phase "compiled call in CUDA graph" 180 "$PY" benchmarks/cuda_graph_check.py --compiled
+
 # --- 2c. numguard doctor on this machine's GPU(s) -----------------------------------------------
 # One rank per visible GPU under torchrun (NCCL for the checks, gloo for facts); prints the rank
 # table, the exact-result checks, bandwidth (2+ GPUs) and the findings; JSON in benchmarks/results.

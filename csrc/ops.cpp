@@ -29,6 +29,12 @@ TORCH_LIBRARY(numguard, m) {
   // int64[len(xs)] on the tensors' device: the exact 64-bit digest of each tensor's bits (uint64
   // stored as int64), in one pass (one launch per 64 tensors on CUDA). Never synchronizes.
   m.def("multi_tensor_fingerprint(Tensor[] xs) -> Tensor");
+  // record_ for a frame recorded inside a compiled graph (or a captured CUDA graph): the frame
+  // starts at cursor[0], not at a host position; unless the ring is frozen, the call logs
+  // (slot, start, cursor[2]) at log row cursor[1] mod L and advances cursor[0] by len(xs) and
+  // cursor[1] by 1. cursor: int64[3], log: int64[L, 3] (see numguard/graph_record.h).
+  m.def("record_at_cursor_(Tensor(a!) ring, Tensor(b!) state, Tensor(c!) cursor, Tensor(d!) log, Tensor[] xs, "
+        "int slot, float headroom) -> ()");
 }
 
 namespace numguard {

@@ -55,6 +55,11 @@ void record_unsupported(const at::Tensor& ring, const at::Tensor& state, at::Ten
   no_kernel(ring, "ring");
 }
 
+void record_at_cursor_unsupported(const at::Tensor& ring, const at::Tensor& state, const at::Tensor&, const at::Tensor&,
+                                  at::TensorList xs, int64_t, double) {
+  record_unsupported(ring, state, xs, 0, 0.0);
+}
+
 }  // namespace
 }  // namespace numguard
 
@@ -63,6 +68,7 @@ void record_unsupported(const at::Tensor& ring, const at::Tensor& state, at::Ten
     m.impl("tensor_stats", &numguard::tensor_stats_unsupported);                 \
     m.impl("multi_tensor_stats", &numguard::multi_tensor_stats_unsupported);     \
     m.impl("record_", &numguard::record_unsupported);                            \
+    m.impl("record_at_cursor_", &numguard::record_at_cursor_unsupported);        \
   }
 
 NUMGUARD_REGISTER_UNSUPPORTED(CompositeExplicitAutograd)

@@ -11,6 +11,7 @@ import torch
 # Record and state layout (numguard.schema); the names stay importable from here.
 from .schema import (ABS_MAX, ABS_MIN, FIRST_HEADROOM_POSITION, FIRST_TRIP_POSITION, HEADROOM_HIT,  # noqa: F401
                      MIN_NONZERO, NAN, NEG_INF, NUM_STATS, POS_INF, STATE_SIZE, SUBNORMAL, TRIPPED, ZERO)
+from .schema import CURSOR_BATCH, CURSOR_CALLS, CURSOR_POSITION, GRAPH_LOG_WIDTH
 
 
 def empty_record(device) -> torch.Tensor:
@@ -67,23 +68,55 @@ def record_(ring: torch.Tensor, state: torch.Tensor, xs: Sequence[torch.Tensor],
     n = records.shape[0]
     # Built on the device from host ints: a torch.tensor(list) on CUDA would block on its copy.
     positions = torch.arange(position, position + n, device=ring.device, dtype=torch.int64)
+    _record_rows(ring, state, records, positions, headroom, limits)
+
+
+def _record_rows(ring, state, records, positions, headroom, limits):
+    """record_'s step once the records and their positions (a device tensor) are known; returns
+    whether the ring was frozen before (a 0-dim bool tensor)."""
+    n = records.shape[0]
+    end = positions[-1] + 1 if n else positions.new_zeros(())
     rows = positions % ring.shape[0]
     frozen = state[TRIPPED] != 0
     # Freeze on trip: a frame recorded after the trip leaves the ring as it was.
     ring.index_copy_(0, rows, torch.where(frozen, ring.index_select(0, rows), records))
     nonfinite = (records[:, NAN] + records[:, POS_INF] + records[:, NEG_INF]) > 0
-    first_trip = torch.where(nonfinite, positions, positions.new_full((), position + n)).amin()
+    first_trip = torch.where(nonfinite, positions, end).amin() if n else end
     trips_now = nonfinite.any() & ~frozen
     state[FIRST_TRIP_POSITION] = torch.where(trips_now, first_trip, state[FIRST_TRIP_POSITION])
     state[TRIPPED] = torch.where(trips_now, 1, state[TRIPPED])
-    if headroom > 0:
+    if headroom > 0 and n:
         limits = torch.cat([torch.full((1,), limit, dtype=torch.float64, device=ring.device)
                             for limit in limits])
         over = (limits > 0) & (records[:, ABS_MAX] > headroom * limits)
-        first_over = torch.where(over, positions, positions.new_full((), position + n)).amin()
+        first_over = torch.where(over, positions, end).amin()
         hits_now = over.any() & ~frozen & (state[HEADROOM_HIT] == 0)
         state[FIRST_HEADROOM_POSITION] = torch.where(hits_now, first_over, state[FIRST_HEADROOM_POSITION])
         state[HEADROOM_HIT] = torch.where(hits_now, 1, state[HEADROOM_HIT])
+    return frozen
+
+
+def record_at_cursor_(ring: torch.Tensor, state: torch.Tensor, cursor: torch.Tensor, log: torch.Tensor,
+                      xs: Sequence[torch.Tensor], slot: int, headroom: float,
+                      limits: Sequence[float] | None = None) -> None:
+    """numguard.ops.record_at_cursor_: record_ at cursor[0], then (unless frozen) log the call at
+    row cursor[1] % len(log) and advance the cursor; all on the device."""
+    if xs:
+        records = multi_tensor_stats(xs).to(ring.device)
+    else:
+        records = torch.empty((0, NUM_STATS), dtype=torch.float64, device=ring.device)
+    n = records.shape[0]
+    start = cursor[CURSOR_POSITION]
+    positions = start + torch.arange(n, device=ring.device, dtype=torch.int64)
+    frozen = _record_rows(ring, state, records, positions, headroom, limits)
+    row = (cursor[CURSOR_CALLS] % log.shape[0]).view(1)
+    entry = torch.stack([torch.full((), slot, dtype=torch.int64, device=log.device), start,
+                         cursor[CURSOR_BATCH]]).view(1, GRAPH_LOG_WIDTH)
+    log.index_copy_(0, row, torch.where(frozen, log.index_select(0, row), entry))
+    advance = torch.stack([torch.full((), n, dtype=torch.int64, device=cursor.device),
+                           torch.ones((), dtype=torch.int64, device=cursor.device),
+                           torch.zeros((), dtype=torch.int64, device=cursor.device)])
+    cursor.add_(torch.where(frozen, torch.zeros_like(advance), advance))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -153,6 +153,10 @@ if _native is not None:
     def _record_fake(ring, state, xs, position, headroom):
         return None
 
+    @torch.library.register_fake("numguard::record_at_cursor_")
+    def _record_at_cursor_fake(ring, state, cursor, log, xs, slot, headroom):
+        return None
+
 
 # ---------------------------------------------------------------------------------------------
 # Dtypes and the input rule (the native kernels apply the same rule with the same messages:
@@ -317,3 +321,28 @@ def multi_tensor_fingerprint(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     except RuntimeError:
         _explain_native_error(xs)
         raise
+# Recording inside a compiled graph (numguard.inspector.graph)
+
+def new_graph_cursor(log_rows: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (cursor, log) pair for record_at_cursor_: cursor int64[3] at GRAPH_POSITION_BASE, no call
+    logged, batch 0; log int64[log_rows, 3] of (slot, start, batch) rows, -1 while unused."""
+    if not isinstance(log_rows, int) or log_rows < 1:
+        raise ValueError(f"numguard: a graph log needs at least one row, got log_rows={log_rows!r}")
+    cursor = torch.zeros(schema.GRAPH_CURSOR_SIZE, dtype=torch.int64, device=device)
+    cursor[schema.CURSOR_POSITION].fill_(schema.GRAPH_POSITION_BASE)
+    log = torch.full((log_rows, schema.GRAPH_LOG_WIDTH), -1, dtype=torch.int64, device=device)
+    return cursor, log
+
+
+def record_at_cursor_(ring: torch.Tensor, state: torch.Tensor, cursor: torch.Tensor, log: torch.Tensor,
+                      xs: Sequence[torch.Tensor], slot: int, headroom: float = 0.0) -> None:
+    """record_ at the position cursor[0] holds on the device, for frames recorded inside a compiled
+    graph: unless the ring is frozen, log (slot, start, cursor[2]) at log row cursor[1] % len(log)
+    and advance the cursor by len(xs) records and one call. Traceable by torch.compile (no Python
+    branch on values); no host sync. `xs` must already be recordable tensors on the ring's device."""
+    xs = list(xs)
+    if _native is None:
+        _torch_ops.record_at_cursor_(ring, state, cursor, log, xs, slot, headroom,
+                                     headroom_limits(xs) if headroom > 0 else None)
+        return
+    torch.ops.numguard.record_at_cursor_.default(ring, state, cursor, log, xs, slot, headroom)

@@ -92,3 +92,15 @@ FINGERPRINT_VERSION = 1
 FINGERPRINT_INDEX_STEP = 0x9E3779B97F4A7C15
 FINGERPRINT_MIX_MULTIPLIERS = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 FINGERPRINT_LAYOUT = (FINGERPRINT_VERSION, FINGERPRINT_INDEX_STEP) + FINGERPRINT_MIX_MULTIPLIERS
+# Recording inside compiled graphs (numguard.ops.record_at_cursor_; csrc/include/numguard/graph_record.h):
+# a device cursor int64[GRAPH_CURSOR_SIZE] and a log int64[L, GRAPH_LOG_WIDTH] of the calls.
+
+GRAPH_CURSOR_FIELDS = ("position", "calls", "batch")
+CURSOR_POSITION, CURSOR_CALLS, CURSOR_BATCH = range(len(GRAPH_CURSOR_FIELDS))
+GRAPH_CURSOR_SIZE = len(GRAPH_CURSOR_FIELDS)
+GRAPH_LOG_FIELDS = ("slot", "start", "batch")
+LOG_SLOT, LOG_START, LOG_BATCH = range(len(GRAPH_LOG_FIELDS))
+GRAPH_LOG_WIDTH = len(GRAPH_LOG_FIELDS)
+# Graph positions start here, so a trip position in the shared state says which ring it is in
+# (host positions of eager frames stay far below).
+GRAPH_POSITION_BASE = 1 << 62

@@ -18,7 +18,7 @@ import numguard
 from numguard import ops
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-OPS = ("tensor_stats", "multi_tensor_stats", "record_")
+OPS = ("tensor_stats", "multi_tensor_stats", "record_", "record_at_cursor_")
 EXPECT_CUDA_KERNELS = os.environ.get("NUMGUARD_EXPECT_CUDA_KERNELS", "0") == "1"
 
 

@@ -288,10 +288,11 @@ for step in range(4):
     out = run(["-c", code], job_env(NUMGUARD="1"))
     assert out.returncode != 0
     assert "step 1" in out.stdout and "step 2" not in out.stdout
-    # The compiled module is the root; its output is the first frame that holds the NaN (like
-    # Transformers, a report whose offender is the root's output names the next batch number).
-    assert "Detected inf/nan during batch_number=" in out.stdout
-    assert "OptimizedModule" in out.stdout
+    # The compiled module is the root; its submodules' frames are recorded inside the graph, so the
+    # report names the first module that used the NaN weight, as eager mode does.
+    assert "Detected inf/nan during batch_number=2" in out.stdout
+    assert "first non-finite value in 2 (Linear) weight, output, forward pass, batch_number=2" in out.stdout
+    assert "_orig_mod" not in out.stdout
     assert "NonFiniteError" in out.stderr and "batch_number=2" in out.stderr
 
 

@@ -1,4 +1,4 @@
-// CPU implementations of numguard's ops: tensor_stats, multi_tensor_stats, record_.
+// CPU implementations of numguard's ops: tensor_stats, multi_tensor_stats, record_, record_at_cursor_.
 //
 // A tensor becomes a `Plan`: its element kind and how to walk its memory without a copy
 // (NOTE: [layouts] in numguard/host_checks.h, which also holds the dtype table, the input rule and
@@ -225,6 +225,32 @@ at::Tensor multi_tensor_stats_cpu(at::TensorList xs) {
   return out;
 }
 
+// The shared step of record_ and record_at_cursor_: update `state` over the records of `plans`
+// (positions position + i) and write them to the ring, unless it was frozen by an earlier trip.
+// Returns whether it was not frozen.
+bool record_frame(const at::Tensor& ring, const at::Tensor& state, const std::vector<Plan>& plans, int64_t position,
+                  double headroom) {
+  auto state_acc = state.accessor<int64_t, 1>();
+  if (state_acc[kTripped] != 0) return false;  // frozen: nothing is written, state is final
+  const int64_t n = static_cast<int64_t>(plans.size());
+  std::vector<double> records(n * kNumStats);
+  std::vector<double> max_values(n);
+  if (n > 0) compute_records(plans, records.data());
+  for (int64_t i = 0; i < n; ++i) max_values[i] = headroom_limit(plans[i].info.kind);
+  int64_t st[kStateSize];
+  for (int j = 0; j < kStateSize; ++j) st[j] = state_acc[j];
+  const bool write = update_recording_state(st, records.data(), max_values.data(), n, position, headroom);
+  for (int j = 0; j < kStateSize; ++j) state_acc[j] = st[j];
+  if (!write) return false;
+  auto ring_acc = ring.accessor<double, 2>();
+  const int64_t rows = ring.size(0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t row = ring_row(position + i, rows);
+    for (int j = 0; j < kNumStats; ++j) ring_acc[row][j] = records[i * kNumStats + j];
+  }
+  return true;
+}
+
 }  // namespace
 
 void record_cpu(const at::Tensor& ring, const at::Tensor& state, at::TensorList xs, int64_t position,
@@ -232,26 +258,20 @@ void record_cpu(const at::Tensor& ring, const at::Tensor& state, at::TensorList 
   check_ring_and_state(ring, state, at::kCPU, /*contiguous=*/false);
   check_on_ring_device(xs, ring);
   if (xs.empty()) return;
+  record_frame(ring, state, make_plans(xs, "xs"), position, headroom);
+}
+
+// record_at_cursor_ (csrc/ops.cpp): the frame starts at the cursor's position; a frame recorded
+// while the ring is frozen leaves cursor and log as they were.
+void record_at_cursor_cpu(const at::Tensor& ring, const at::Tensor& state, const at::Tensor& cursor,
+                          const at::Tensor& log, at::TensorList xs, int64_t slot, double headroom) {
+  check_ring_and_state(ring, state, at::kCPU, /*contiguous=*/false);
+  check_cursor_and_log(cursor, log, ring);
+  check_on_ring_device(xs, ring);
   const std::vector<Plan> plans = make_plans(xs, "xs");
-  auto state_acc = state.accessor<int64_t, 1>();
-  if (state_acc[kTripped] != 0) return;  // frozen: nothing is written, state is final
-  const int64_t n = static_cast<int64_t>(plans.size());
-  std::vector<double> records(n * kNumStats);
-  std::vector<double> max_values(n);
-  compute_records(plans, records.data());
-  for (int64_t i = 0; i < n; ++i) max_values[i] = headroom_limit(plans[i].info.kind);
-  int64_t st[kStateSize];
-  for (int j = 0; j < kStateSize; ++j) st[j] = state_acc[j];
-  const bool write = update_recording_state(st, records.data(), max_values.data(), n, position, headroom);
-  for (int j = 0; j < kStateSize; ++j) state_acc[j] = st[j];
-  if (!write) return;
-  auto ring_acc = ring.accessor<double, 2>();
-  const int64_t rows = ring.size(0);
-  for (int64_t i = 0; i < n; ++i) {
-    int64_t row = (position + i) % rows;
-    if (row < 0) row += rows;
-    for (int j = 0; j < kNumStats; ++j) ring_acc[row][j] = records[i * kNumStats + j];
-  }
+  int64_t* cur = cursor.mutable_data_ptr<int64_t>();
+  if (!record_frame(ring, state, plans, cur[kCursorPosition], headroom)) return;
+  log_graph_call(cur, log.mutable_data_ptr<int64_t>(), log.size(0), slot, static_cast<int64_t>(plans.size()));
 }
 
 }  // namespace cpu
@@ -261,4 +281,5 @@ TORCH_LIBRARY_IMPL(numguard, CPU, m) {
   m.impl("tensor_stats", &numguard::cpu::tensor_stats_cpu);
   m.impl("multi_tensor_stats", &numguard::cpu::multi_tensor_stats_cpu);
   m.impl("record_", &numguard::cpu::record_cpu);
+  m.impl("record_at_cursor_", &numguard::cpu::record_at_cursor_cpu);
 }

@@ -174,6 +174,27 @@ void record_cuda(const at::Tensor& ring, const at::Tensor& state, at::TensorList
                 c10::cuda::getCurrentCUDAStream(device.index()).stream());
 }
 
+// record_at_cursor_ (csrc/ops.cpp): record_cuda with the position read on the device.
+void record_at_cursor_cuda(const at::Tensor& ring, const at::Tensor& state, const at::Tensor& cursor,
+                           const at::Tensor& log, at::TensorList xs, int64_t slot, double headroom) {
+  check_ring_and_state(ring, state, at::kCUDA, /*contiguous=*/true);
+  check_cursor_and_log(cursor, log, ring);
+  check_on_ring_device(xs, ring);
+  const at::Device device = ring.device();
+  const c10::cuda::CUDAGuard guard(device);
+  const int64_t n = static_cast<int64_t>(xs.size());
+  const auto options = at::TensorOptions().dtype(at::kDouble).device(device);
+  at::Tensor records = at::empty({std::max<int64_t>(n, 1), kNumStats}, options);
+  at::Tensor max_values = at::empty({std::max<int64_t>(n, 1)}, options);
+  double* records_ptr = records.mutable_data_ptr<double>();
+  double* max_ptr = max_values.mutable_data_ptr<double>();
+  if (n > 0) compute_records(xs, records_ptr, max_ptr, device);
+  launch_record_at_cursor(records_ptr, max_ptr, n, ring.mutable_data_ptr<double>(), ring.size(0),
+                          state.mutable_data_ptr<int64_t>(), cursor.mutable_data_ptr<int64_t>(),
+                          log.mutable_data_ptr<int64_t>(), log.size(0), slot, headroom,
+                          c10::cuda::getCurrentCUDAStream(device.index()).stream());
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace numguard
@@ -182,4 +203,5 @@ TORCH_LIBRARY_IMPL(numguard, CUDA, m) {
   m.impl("tensor_stats", &numguard::cuda::tensor_stats_cuda);
   m.impl("multi_tensor_stats", &numguard::cuda::multi_tensor_stats_cuda);
   m.impl("record_", &numguard::cuda::record_cuda);
+  m.impl("record_at_cursor_", &numguard::cuda::record_at_cursor_cuda);
 }

@@ -11,6 +11,7 @@
 
 #include <c10/cuda/CUDAException.h>
 
+#include "numguard/graph_record.h"
 #include "numguard/stats_reduce.h"
 #include "stats_device.cuh"
 #include "stats_launch.cuh"
@@ -163,22 +164,40 @@ __global__ void __launch_bounds__(kFinalizeThreads)
 }
 
 // One block: thread 0 walks the frame's records in order (update_recording_state), then the
-// block writes the records to the ring unless it was frozen before this frame.
-__global__ void __launch_bounds__(kRecordThreads)
-    record_kernel(const double* records, const double* max_values, int64_t n, double* ring, int64_t ring_rows,
-                  int64_t* state, int64_t position, double headroom) {
+// block writes the records to the ring unless it was frozen before this frame. Returns (in every
+// thread) whether it was not frozen.
+__device__ __forceinline__ bool record_block(const double* records, const double* max_values, int64_t n, double* ring,
+                                             int64_t ring_rows, int64_t* state, int64_t position, double headroom) {
   __shared__ bool write_rows;
   if (threadIdx.x == 0) write_rows = update_recording_state(state, records, max_values, n, position, headroom);
   __syncthreads();
-  if (!write_rows) return;
+  if (!write_rows) return false;
   // When a frame holds more records than the ring has rows, record i is overwritten by record
   // i + ring_rows; only the last record of each row is stored, so the outcome is well defined.
   const int64_t first_kept = n > ring_rows ? n - ring_rows : 0;
   for (int64_t k = first_kept * kNumStats + threadIdx.x; k < n * kNumStats; k += kRecordThreads) {
     const int64_t i = k / kNumStats;
-    int64_t row = (position + i) % ring_rows;
-    if (row < 0) row += ring_rows;
-    ring[row * kNumStats + k % kNumStats] = records[k];
+    ring[ring_row(position + i, ring_rows) * kNumStats + k % kNumStats] = records[k];
+  }
+  return true;
+}
+
+__global__ void __launch_bounds__(kRecordThreads)
+    record_kernel(const double* records, const double* max_values, int64_t n, double* ring, int64_t ring_rows,
+                  int64_t* state, int64_t position, double headroom) {
+  record_block(records, max_values, n, ring, ring_rows, state, position, headroom);
+}
+
+// record_at_cursor_: the frame starts at cursor[kCursorPosition] (read on the device, so the
+// launch is the same every call and can be captured in a CUDA graph); thread 0 logs the call and
+// advances the cursor unless the ring was frozen.
+__global__ void __launch_bounds__(kRecordThreads)
+    record_at_cursor_kernel(const double* records, const double* max_values, int64_t n, double* ring,
+                            int64_t ring_rows, int64_t* state, int64_t* cursor, int64_t* log, int64_t log_rows,
+                            int64_t slot, double headroom) {
+  const int64_t position = cursor[kCursorPosition];
+  if (record_block(records, max_values, n, ring, ring_rows, state, position, headroom) && threadIdx.x == 0) {
+    log_graph_call(cursor, log, log_rows, slot, n);
   }
 }
 
@@ -221,6 +240,14 @@ void launch_record(const double* records, const double* max_values, int64_t n, d
   if (n <= 0) return;
   record_kernel<<<1, kRecordThreads, 0, stream>>>(records, max_values, n, ring, ring_rows, state, position,
                                                    headroom);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void launch_record_at_cursor(const double* records, const double* max_values, int64_t n, double* ring,
+                             int64_t ring_rows, int64_t* state, int64_t* cursor, int64_t* log, int64_t log_rows,
+                             int64_t slot, double headroom, cudaStream_t stream) {
+  record_at_cursor_kernel<<<1, kRecordThreads, 0, stream>>>(records, max_values, n, ring, ring_rows, state, cursor,
+                                                             log, log_rows, slot, headroom);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

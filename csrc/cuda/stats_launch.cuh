@@ -63,5 +63,12 @@ void launch_finalize(const TensorTable& table, const int64_t* workspace, double*
 void launch_record(const double* records, const double* max_values, int64_t n, double* ring, int64_t ring_rows,
                    int64_t* state, int64_t position, double headroom, cudaStream_t stream);
 
+// record_at_cursor_'s step: like launch_record, at the position cursor[0] holds on the device;
+// then logs the call and advances the cursor (numguard/graph_record.h). Launched even for n == 0
+// (the call is still logged).
+void launch_record_at_cursor(const double* records, const double* max_values, int64_t n, double* ring,
+                             int64_t ring_rows, int64_t* state, int64_t* cursor, int64_t* log, int64_t log_rows,
+                             int64_t slot, double headroom, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace numguard

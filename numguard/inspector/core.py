@@ -21,6 +21,7 @@ from .. import env
 from ..errors import AbortAfterBatch, InspectorWarning, NonFiniteError
 from . import frames as _frames
 from .checks import FlagReader
+from .graph import GraphRecorder
 from .hooks import ModuleHooks, active
 from .options import STDOUT, WatchOptions
 from .history import ModuleHistory
@@ -131,6 +132,13 @@ class Inspector(ModuleHooks):
         self._reader = FlagReader(self._ring, opts.check, self._warned)
         self._reader.skipped_steps = lambda: getattr(self._backward_watch, "scaler_skipped_steps", 0)
         self._reporter = Reporter(self._ring, self._weights, opts, self._warned, self._reader)
+        self._graph = None                # frames recorded inside compiled graphs
+        try:
+            self._graph = self._reporter.graph = GraphRecorder(self, self._ring.device)
+        except Exception as exc:  # numguard's own failure must not kill the job
+            self._warn_once(("graph",), f"numguard: cannot record module frames inside compiled graphs "
+                                        f"({type(exc).__name__}: {exc}); a compiled model is checked at its "
+                                        "output and weights only")
         try:
             if opts.ops:
                 self._ops = OperationRecorder(self)
@@ -270,7 +278,8 @@ class Inspector(ModuleHooks):
             self._handles.clear()
             # Only what this inspector counted: a watch() that failed half-way must not uncount
             # another inspector's modules.
-            for module in filter(None, (ref() for ref in self._registered)):
+            # (`is not None`, not truth: an OptimizedModule's truth is its model's len(), which may not exist)
+            for module in [m for m in (ref() for ref in self._registered) if m is not None]:
                 count = _watched.get(module, 0) - 1
                 if count > 0:
                     _watched[module] = count
@@ -348,10 +357,11 @@ class Inspector(ModuleHooks):
         tripped, first = self._ring.state[:2].tolist()
         if not tripped:
             return
-        if first < position:
+        if first < position or GraphRecorder.owns(first):  # compiled graphs record forward frames only
             self.check_now(where)
         else:
             self._ring.reset_after_trip()
+            self._reporter.forget_graph_frames()
 
     def backward_ops_start(self) -> bool:
         """Enter operation mode for a backward (numguard.backward, with ops=True); whether it did."""
@@ -392,6 +402,8 @@ class Inspector(ModuleHooks):
     # -- the batch life cycle --------------------------------------------------------------------
     def _begin_batch(self):
         self._batch_open = True
+        if self._graph is not None:
+            self._graph.begin_batch(self._batches_done)
         try:
             self._weights.record(self._batches_done, self._ring, self._move_to)
         except Exception as exc:
@@ -401,6 +413,8 @@ class Inspector(ModuleHooks):
 
     def _move_to(self, device):
         self._ring.move_to(device)
+        if self._graph is not None:
+            self._graph.move_to(device)
         self._reader.device_moved()
         self._weights.forget()
         if self._history is not None:
@@ -420,6 +434,12 @@ class Inspector(ModuleHooks):
         self._batch_open = False
         self._ring.forget_seen()
         self._ring.pending_start = self._batches_done
+        if batch == 0 and self._graph is not None and self._graph.untraced_submodules(self):
+            self._warn_once(("graph",), "numguard: the compiled model's submodules were not recorded: it was "
+                                        "compiled before watch() added numguard's hooks (dynamo does not "
+                                        "recompile for hooks), so only its output and weights are checked. "
+                                        "Call watch() before the compiled model's first call, or "
+                                        "torch._dynamo.reset() before watch().")
         traced = batch in self.trace_batch_nums
         if traced:
             self._guarded(self._reporter.print_trace, batch)
@@ -449,6 +469,7 @@ class Inspector(ModuleHooks):
         self._ring.forget_seen()
         if isinstance(exc, (NonFiniteError, AbortAfterBatch)):
             self._ring.reset_after_trip()
+            self._reporter.forget_graph_frames()
             return
         status = self._reader.read_local(f"the forward raised {type(exc).__name__}", self._batch_index())
         if status.tripped:

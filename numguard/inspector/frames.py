@@ -98,14 +98,14 @@ def _flatten_extra(value, label, xs, labels, kinds):
     items = _container_items(value, label)
     if items is None:
         return
-    on_path = {id(value)}
-    stack = [(id(value), items)]
+    # The containers on the path are the stack's (compared by identity: no id(), which a
+    # torch.compile trace of the hook would guard on, recompiling per call).
+    stack = [(value, items)]
     while stack:
-        owner_id, items = stack[-1]
+        items = stack[-1][1]
         item = next(items, None)
         if item is None:
             stack.pop()
-            on_path.discard(owner_id)
             continue
         lab, v = item
         if isinstance(v, torch.Tensor):
@@ -118,13 +118,12 @@ def _flatten_extra(value, label, xs, labels, kinds):
         else:
             kinds.append(NOT_A_TENSOR | EXTRA)
             inner = _container_items(v, lab)
-            if inner is not None and id(v) in on_path:
+            if inner is not None and any(v is container for container, _ in stack):
                 labels.append(f"{lab} (holds itself: not followed again)")
                 continue
             labels.append(lab)
             if inner is not None:
-                on_path.add(id(v))
-                stack.append((id(v), inner))
+                stack.append((v, inner))
 
 
 def _add(value, label, xs, labels, kinds):

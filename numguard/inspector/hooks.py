@@ -14,6 +14,7 @@ import weakref
 import torch
 
 from . import frames as _frames
+from . import graph as _graph
 
 active: list = []  # inspectors inside a watched forward (for detect_overflow)
 _Tensor = torch.Tensor
@@ -41,7 +42,7 @@ class ModuleHooks:
                 root_seen = True
                 self._root_owner = owner
                 # NOTE: [compile] The root's hooks run outside any torch.compile graph (the batch-end
-                # read must not break a graph in the middle); inner hooks do nothing while compiling.
+                # read must not break a graph in the middle); inner hooks record into the graph.
                 self._handles.append(module.register_forward_pre_hook(
                     torch.compiler.disable(functools.partial(self._top_pre_hook, owner))))
                 self._handles.append(module.register_forward_hook(
@@ -145,8 +146,11 @@ class ModuleHooks:
             ops.paused -= 1
 
     def _module_hook(self, owner, module, args, kwargs, output):
-        if owner.off or self._closed or _is_compiling():
+        if owner.off or self._closed:
             return None
+        if _is_compiling():
+            # Traced into the graph: one recording op per call (numguard.inspector.graph).
+            return _graph.record_in_graph(self, owner, args, kwargs, output)
         try:
             if not self._batch_open:
                 # A module frame outside the root's forward (a submodule called directly) opens the

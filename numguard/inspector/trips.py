@@ -44,6 +44,16 @@ def _pass_of(section):
     return section
 
 
+def _record_at(host_ring, position, valid_end):
+    """The host record at `position` (None once overwritten): a ring's host copy, or
+    graph.HostRecords when compiled graphs' frames are in the report."""
+    lookup = getattr(host_ring, "record_at", None)
+    if lookup is not None:
+        return lookup(position)
+    size = host_ring.shape[0]
+    return None if position < valid_end - size else [float(v) for v in host_ring[position % size]]
+
+
 class Reporter:
     """Turns a tripped state into a report and the configured action. Owns nothing on the device:
     it reads the FrameRing and the WeightTable it is given."""
@@ -60,6 +70,11 @@ class Reporter:
         self.step_counter = None          # (label, read): a framework's step, shown next to the batch
         self.annotate = None              # annotate(report, offender index): adds fields before rendering
         self.lineage = None               # operation mode's lineage (operations.OperationRecorder.lineage)
+        self.graph = None                 # the inspector's GraphRecorder (frames inside compiled graphs)
+
+    def forget_graph_frames(self):
+        if self.graph is not None:
+            self.graph.forget_frames()
 
     # -- report dictionaries ---------------------------------------------------------------------
     def frame_record(self, f, host_ring, tables, valid_end):
@@ -80,7 +95,6 @@ class Reporter:
                     records.append(None)
                     dtypes.append(None)
                     shapes.append(None)
-        size = host_ring.shape[0]
         t = 0
         for label, kind in zip(f.labels, f.kinds):
             base = kind & 3
@@ -89,7 +103,7 @@ class Reporter:
             extra.append(bool(kind & EXTRA) or not f.hf)
             if base == TENSOR:
                 p = f.positions[t]
-                records.append(None if p < valid_end - size else [float(v) for v in host_ring[p % size]])
+                records.append(_record_at(host_ring, p, valid_end))
                 dtypes.append(str(f.dtypes[t]))
                 shapes.append(list(f.shapes[t]))
                 t += 1
@@ -111,7 +125,6 @@ class Reporter:
     def _categories(self, f, host_ring, valid_end, prefix=None):
         """{position: (NaN, +Inf, -Inf) present} of a frame's non-finite tensor lines (those whose
         label starts with `prefix`, when given)."""
-        size = host_ring.shape[0]
         out = {}
         t = 0
         for label, kind in zip(f.labels, f.kinds):
@@ -119,8 +132,8 @@ class Reporter:
                 continue
             p = f.positions[t]
             t += 1
-            if (prefix is None or label.startswith(prefix)) and valid_end - size <= p < valid_end:
-                rec = host_ring[p % size]
+            rec = _record_at(host_ring, p, valid_end) if prefix is None or label.startswith(prefix) else None
+            if rec is not None and p < valid_end:
                 cats = (rec[schema.NAN] > 0, rec[schema.POS_INF] > 0, rec[schema.NEG_INF] > 0)
                 if any(cats):
                     out[p] = cats
@@ -184,17 +197,19 @@ class Reporter:
                 return j
         return None
 
-    def build_report(self, offender, host_ring, found_at=None) -> dict:
-        """The report dictionary (numguard.dump's schema) for the frame at index `offender`."""
-        frames = self.ring.frames
+    def build_report(self, offender, host_ring, found_at=None, view=None) -> dict:
+        """The report dictionary (numguard.dump's schema) for the frame at index `offender` of
+        `view`'s frames (the ring's, or graph.ReportView's with compiled graphs' frames)."""
+        view = view or self.ring
+        frames = view.frames
         off = frames[offender]
         section = off.section
         max_frames = self.options.max_frames_to_save
         chosen = set()
-        floor = min(self.ring.floor, offender)
+        floor = min(view.floor, offender)
         valid_end = off.start + off.n_records  # the ring froze after the offending frame
         blamed = None
-        if self.lineage is not None and getattr(off.owner, "op", None) is None:
+        if self.lineage is not None and view is self.ring and getattr(off.owner, "op", None) is None:
             blamed = self._blame_operation(offender, host_ring, valid_end)
         anchors = [("forward", offender), (section, offender)]
         if blamed is not None:
@@ -250,12 +265,16 @@ class Reporter:
         labels = []
         batch = None
         if status.tripped:
-            offender = self.ring.find_offender(status.first_trip)
+            view = self.ring
+            if self.graph is not None and self.graph.used:
+                # Frames recorded inside compiled graphs: only now are their log and ring read.
+                view, host_ring = self.graph.report_view(self.ring, host_ring)
+            offender = view.find_offender(status.first_trip)
             if offender is not None:
                 try:
-                    report = self.build_report(offender, host_ring, status.found_at)
+                    report = self.build_report(offender, host_ring, status.found_at, view)
                 except Exception as exc:  # the NaN is real even if numguard cannot render it
-                    off = self.ring.frames[offender]
+                    off = view.frames[offender]
                     module, batch = off.owner.name, off.batch
                     warnings.warn(f"numguard: could not render the report ({type(exc).__name__}: {exc})",
                                   InspectorWarning, stacklevel=5)
@@ -270,7 +289,7 @@ class Reporter:
                             warnings.warn(f"numguard: could not add the history/replay to the report "
                                           f"({type(exc).__name__}: {exc})", InspectorWarning, stacklevel=5)
                     if on_report is not None:
-                        on_report(report, sum(1 for f in self.ring.frames[offender + 1:] if f.hf))
+                        on_report(report, sum(1 for f in view.frames[offender + 1:] if f.hf))
             else:
                 module = "(frames no longer in the ring)"
         ranks = []
@@ -286,6 +305,7 @@ class Reporter:
                 report["framework_step"] = {"name": step[0], "value": step[1]}
         self.last_report = report
         self.ring.reset_after_trip()
+        self.forget_graph_frames()
         rank = checks.rank()
         text = _report.render(report, self.options.extras) if report is not None else ""
         self.trips += 1
@@ -370,10 +390,14 @@ class Reporter:
         """Warn for each module whose low-precision tensor passed `headroom` of its dtype's
         largest value (a module warns once), then re-arm the flags."""
         ring = self.ring
-        size = host_ring.shape[0]
         limit = self.options.headroom
         reported = set()  # a tensor seen by several modules is reported for the first (its producer)
-        for f in ring.frames[:boundary]:
+        frames = ring.frames[:boundary]
+        if self.graph is not None and self.graph.used:
+            # With the frames recorded inside compiled graphs (their log and ring read only now).
+            view, host_ring = self.graph.report_view(ring, host_ring)
+            frames = view.frames
+        for f in frames:
             owner = f.owner
             if owner.headroom == 0.0:
                 continue
@@ -385,10 +409,13 @@ class Reporter:
                 p = f.positions[t]
                 t += 1
                 dmax = LOW_PRECISION_MAX.get(dtype)
-                if dmax is None or p < ring.pos - size or p in reported:
+                if dmax is None or p in reported:
+                    continue
+                record = _record_at(host_ring, p, ring.pos)
+                if record is None:
                     continue
                 reported.add(p)
-                value = float(host_ring[p % size][schema.ABS_MAX])
+                value = record[schema.ABS_MAX]
                 if value > limit * dmax:
                     self._warn_headroom(owner, label, value, dtype, dmax)
                     break
@@ -430,15 +457,19 @@ class Reporter:
     # -- trace mode ------------------------------------------------------------------------------
     def print_trace(self, batch):
         """Print every forward frame of `batch` in Transformers' trace format."""
-        frames = self.ring.frames
+        view, host_ring = self.ring, None
+        if self.graph is not None and self.graph.used:
+            view, host_ring = self.graph.report_view(self.ring, self.ring.host_copy())
+        frames = view.frames
         first = None
-        for i in range(len(frames) - 1, self.ring.floor - 1, -1):
+        for i in range(len(frames) - 1, view.floor - 1, -1):
             if frames[i].batch != batch:
                 break
             first = i
         if first is None:
             return
-        host_ring = self.ring.host_copy()
+        if host_ring is None:
+            host_ring = self.ring.host_copy()
         tables = self.weights.host_tables({batch})
         records = [self.frame_record(f, host_ring, tables, self.ring.pos) for f in frames[first:]
                    if f.section == "forward"]

@@ -16,6 +16,7 @@
 #include <string>
 #include <utility>
 
+#include "numguard/graph_record.h"
 #include "numguard/stats_reduce.h"
 
 namespace numguard {
@@ -248,6 +249,22 @@ inline StrideLayout analyze_strides(const at::Tensor& x) {
     out.strides.clear();
   }
   return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// record_at_cursor_'s cursor and log (numguard/graph_record.h), on the ring's device.
+
+inline void check_cursor_and_log(const at::Tensor& cursor, const at::Tensor& log, const at::Tensor& ring) {
+  TORCH_CHECK(cursor.defined() && cursor.device() == ring.device() && cursor.scalar_type() == at::kLong &&
+                  cursor.dim() == 1 && cursor.size(0) == kGraphCursorSize && cursor.is_contiguous(),
+              "numguard: cursor must be a contiguous int64[", kGraphCursorSize, "] on the ring's device (",
+              ring.device(), "), got ", cursor.defined() ? c10::str(cursor.scalar_type(), cursor.sizes(), " on ",
+                                                                  cursor.device()) : std::string("undefined"));
+  TORCH_CHECK(log.defined() && log.device() == ring.device() && log.scalar_type() == at::kLong && log.dim() == 2 &&
+                  log.size(0) >= 1 && log.size(1) == kGraphLogWidth && log.is_contiguous(),
+              "numguard: log must be a contiguous int64[L, ", kGraphLogWidth, "] with L >= 1 on the ring's device (",
+              ring.device(), "), got ", log.defined() ? c10::str(log.scalar_type(), log.sizes(), " on ", log.device())
+                                                       : std::string("undefined"));
 }
 
 }  // namespace numguard
