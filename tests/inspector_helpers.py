@@ -126,3 +126,16 @@ def train_steps(model, steps, ids, optimizer=None):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return optimizer
+
+
+def watched_training_syncs(steps, **options):
+    """A tiny GPT-2 trained one step unwatched, then watched (quiet, `options`) for one warm-up
+    step and `steps` steps under a SyncCounter: (inspector, counter), the inspector still open."""
+    model = tiny_gpt2(torch.float32)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    opt = train_steps(model, 1, ids)
+    insp = numguard.watch(model, **quiet(**options))
+    train_steps(model, 1, ids, opt)
+    with SyncCounter()() as counter:
+        train_steps(model, steps, ids, opt)
+    return insp, counter

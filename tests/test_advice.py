@@ -13,7 +13,7 @@ import numguard
 from numguard import advice as _advice
 from numguard import cli
 from numguard.inspector import history as _history
-from inspector_helpers import SyncCounter, quiet, tiny_gpt2, train_steps
+from inspector_helpers import quiet, watched_training_syncs
 
 
 class Growing(nn.Module):
@@ -178,14 +178,8 @@ def test_hostile_values_in_a_history_are_skipped():
 
 
 def test_history_folds_without_host_syncs_in_hooks():
-    model = tiny_gpt2(torch.float32)
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    opt = train_steps(model, 1, ids)
-    insp = numguard.watch(model, **quiet(backward=True))
-    train_steps(model, 1, ids, opt)
     steps = 3
-    with SyncCounter()() as counter:
-        train_steps(model, steps, ids, opt)
+    insp, counter = watched_training_syncs(steps, backward=True)
     data = insp.history()
     insp.close()
     assert counter.in_hooks == 0, counter.where

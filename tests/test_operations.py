@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 import numguard
 from numguard.errors import InspectorWarning
 from numguard.inspector import operations
-from inspector_helpers import SyncCounter, quiet, tiny_gpt2, train_steps
+from inspector_helpers import SyncCounter, quiet, tiny_gpt2, train_steps, watched_training_syncs
 
 THIS_FILE = os.path.basename(__file__)
 
@@ -178,14 +178,8 @@ def test_healthy_ops_batches_keep_operation_frames_and_no_mode_after():
 
 
 def test_no_sync_with_ops_except_the_batch_end_read(backend):
-    model = tiny_gpt2(torch.float32)
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    opt = train_steps(model, 1, ids)
-    insp = numguard.watch(model, **quiet(ops=True))
-    train_steps(model, 1, ids, opt)
     steps = 3
-    with SyncCounter()() as counter:
-        train_steps(model, steps, ids, opt)
+    insp, counter = watched_training_syncs(steps, ops=True)
     assert len([f for f in insp.held().frames if f[1] == "operations"]) > 0
     insp.close()
     assert counter.in_hooks == 0, counter.where
