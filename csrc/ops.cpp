@@ -39,6 +39,8 @@ TORCH_LIBRARY(numguard, m) {
 
 namespace numguard {
 void bind_frame_recorder(pybind11::module& module);  // csrc/recorder.cpp
+void bind_history(pybind11::module& module);         // csrc/history.cpp
+void bind_parameter_walk(pybind11::module& module);  // csrc/weights.cpp
 }  // namespace numguard
 
 namespace {
@@ -86,6 +88,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("dtypes", &dtypes,
              "(name, max, tiny, headroom limit) of each dtype the kernels record (numguard.schema.DTYPES).");
   numguard::bind_frame_recorder(module);
+  numguard::bind_history(module);
+  numguard::bind_parameter_walk(module);
   module.def("fingerprint_layout", &fingerprint_layout,
              "(version, index step, mixer constants) of the fingerprint (numguard.schema.FINGERPRINT_LAYOUT).");
 }

@@ -179,9 +179,48 @@ class FrameRecorder {
       throw py::error_already_set();
     }
     for (Py_ssize_t i = 0; i < kFields; ++i) PyTuple_SET_ITEM(frame, i, items[i]);
+    // NOTE: [untracked frames] A frame refers to its owner and to immutable tuples, and nothing
+    // it holds refers back to frames: it can never be part of a reference cycle. Left tracked,
+    // the thousands of frames a ring holds made the garbage collector's passes a large share of
+    // the recording cost.
+    PyObject_GC_UnTrack(frame);
     py::object owned = py::reinterpret_steal<py::object>(frame);
     frames_.append(owned);
     frame_starts_.append(py::int_(start));
+  }
+
+  // The steady-state module hook (numguard.inspector.hooks): one positional tensor in, one tensor
+  // out, no keyword arguments, inside an open batch of the root's forward. Records the frame and
+  // returns true; anything else returns false and the Python hook handles the call. Reads the
+  // inspector's `_closed`, `_batch_open`, `_depth` and `_batches_done` (never writes them).
+  bool module_call(const py::handle& owner, const py::handle& inspector, const py::handle& args,
+                   const py::handle& kwargs, const py::handle& output) {
+    if (fast_labels_.is_none()) return false;
+    if (kwargs.ptr() != Py_None && (!PyDict_Check(kwargs.ptr()) || PyDict_GET_SIZE(kwargs.ptr()) != 0)) return false;
+    if (!PyTuple_Check(args.ptr()) || PyTuple_GET_SIZE(args.ptr()) != 1) return false;
+    PyObject* input = PyTuple_GET_ITEM(args.ptr(), 0);
+    auto* tensor_type = reinterpret_cast<PyTypeObject*>(THPVariableClass);
+    if (Py_TYPE(input) != tensor_type || Py_TYPE(output.ptr()) != tensor_type) return false;
+    static const py::handle kClosed = PyUnicode_InternFromString("_closed");
+    static const py::handle kBatchOpen = PyUnicode_InternFromString("_batch_open");
+    static const py::handle kDepth = PyUnicode_InternFromString("_depth");
+    static const py::handle kBatchesDone = PyUnicode_InternFromString("_batches_done");
+    static const py::handle kOff = PyUnicode_InternFromString("off");
+    if (is_true(owner, kOff) || is_true(inspector, kClosed) || !is_true(inspector, kBatchOpen)) return false;
+    if (inspector.attr(kDepth).cast<int64_t>() <= 0) return false;  // a call outside the root's forward
+    const int64_t batch = inspector.attr(kBatchesDone).cast<int64_t>();
+    py::list xs(2);
+    PyList_SET_ITEM(xs.ptr(), 0, py::reinterpret_borrow<py::object>(input).release().ptr());
+    PyList_SET_ITEM(xs.ptr(), 1, py::reinterpret_borrow<py::object>(output).release().ptr());
+    record_frame(owner, xs, fast_labels_, fast_kinds_, fast_section_, true, true, batch);
+    return true;
+  }
+
+  // What module_call's frames carry (frames.ONE_IN_ONE_OUT_LABELS / _KINDS, "forward").
+  void set_fast_path(py::object labels, py::object kinds, py::object section) {
+    fast_labels_ = std::move(labels);
+    fast_kinds_ = std::move(kinds);
+    fast_section_ = std::move(section);
   }
 
   // The ring after a growth or a move (the Python side owns both tensors).
@@ -267,6 +306,7 @@ class FrameRecorder {
     for (size_t i = 0; i < at_positions.size(); ++i) {
       PyTuple_SET_ITEM(positions.ptr(), i, PyLong_FromLongLong(at_positions[i]));
     }
+    PyObject_GC_UnTrack(positions.ptr());  // ints only (NOTE: [untracked frames])
     return py::make_tuple(dtypes, shapes, positions, n, lo);
   }
 
@@ -316,6 +356,13 @@ class FrameRecorder {
     op.call(ring_, state_override_.defined() ? state_override_ : state_, batch, pos, headroom);
   }
 
+  static bool is_true(const py::handle& obj, const py::handle& name) {
+    py::object value = obj.attr(name);
+    const int truth = PyObject_IsTrue(value.ptr());
+    if (truth < 0) throw py::error_already_set();
+    return truth == 1;
+  }
+
   static bool any_needs_values(const std::vector<at::Tensor>& xs) {
     for (const auto& x : xs) {
       if (x.is_meta() || x.is_nested() || x.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python)) return true;
@@ -341,6 +388,9 @@ class FrameRecorder {
   at::Tensor state_override_;  // for the duration of one record_frame call
   c10::Device device_{at::kCPU};
   int64_t size_ = 0;
+  py::object fast_labels_ = py::none();
+  py::object fast_kinds_ = py::none();
+  py::object fast_section_ = py::none();
   py::object sanitize_;
   py::object grow_;
   int64_t seen_limit_;
@@ -363,6 +413,9 @@ void bind_frame_recorder(py::module& module) {
       .def("record_frame", &FrameRecorder::record_frame, py::arg("owner"), py::arg("xs"), py::arg("labels"),
            py::arg("kinds"), py::arg("section"), py::arg("hf"), py::arg("weights"), py::arg("batch"),
            py::arg("state") = py::none())
+      .def("module_call", &FrameRecorder::module_call, py::arg("owner"), py::arg("inspector"), py::arg("args"),
+           py::arg("kwargs"), py::arg("output"))
+      .def("set_fast_path", &FrameRecorder::set_fast_path, py::arg("labels"), py::arg("kinds"), py::arg("section"))
       .def("set_ring", &FrameRecorder::set_ring)
       .def("clear_seen", &FrameRecorder::clear_seen)
       .def("seen_count", &FrameRecorder::seen_count)

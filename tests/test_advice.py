@@ -223,8 +223,64 @@ def test_advise_command_errors(tmp_path, capsys):
     assert "no module history" in capsys.readouterr().err
 
 
+class _Mixed(nn.Module):
+    """Frames of every shape the fold walks: one tensor in and out, keyword inputs, a tuple
+    output, a None line, an integer tensor, and (with backward=True) gradient frames."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.pair = _Pair()
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x):
+        a, b = self.pair(self.lin(x), scale=torch.tensor(2.0), mask=None, ids=torch.arange(3))
+        return self.out(a + b)
+
+
+class _Pair(nn.Module):
+    def forward(self, x, scale=None, mask=None, ids=None):
+        return x * scale, torch.tanh(x)
+
+
+@pytest.mark.skipif(_history._native_fold is None, reason="needs the native kernels")
+def test_the_native_fold_walks_frames_exactly_like_the_python_fold(monkeypatch):
+    compared = []
+    original = _history.ModuleHistory._fold
+
+    def both(self, ring, lo, hi):
+        frames = ring.frames[lo:hi]
+        slot_batch, dtypes = list(self.slot_batch), {k: list(v) for k, v in self.dtypes.items()}
+        want_index, want_mult, want_slots = self._fold_lines(frames, ring)
+        want_state = (self.slot_batch, self.dtypes)
+        self.slot_batch, self.dtypes = slot_batch, dtypes
+        got_index, got_mult, got_slots = _history._native_fold(
+            ring.frames, lo, hi, ring.size, ring.pos - ring.size, self.window, len(_history.FIELDS),
+            self.slot_batch, self.by_name, self.dtypes, _history._FLOATING, _history.ONE_IN_ONE_OUT_LABELS,
+            _history._FOLD_LAYOUT)
+        assert torch.equal(got_index, want_index) and torch.equal(got_mult, want_mult)
+        assert got_slots == want_slots and (self.slot_batch, self.dtypes) == want_state
+        compared.append((len(frames), want_mult.numel(), any(f.section == "backward" for f in frames)))
+        return original(self, ring, lo, hi)
+
+    monkeypatch.setattr(_history.ModuleHistory, "_fold", both)
+    torch.manual_seed(0)
+    model = _Mixed()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with numguard.watch(model, **quiet(backward=True)) as insp:
+        for _ in range(70):  # past the window: slots are taken again by newer batches
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        result = insp.advice()
+    assert len(compared) >= 70 and all(n and lines for n, lines, _ in compared)
+    assert any(backward for _, _, backward in compared)
+    pair = next(m for m in result.modules if m.name == "pair")
+    assert pair.abs_max is not None and pair.grad_abs_max is not None
+
+
 def test_a_failing_history_warns_once_and_training_goes_on(monkeypatch):
-    def broken(self, frames, ring):
+    def broken(self, ring, lo, hi):
         raise RuntimeError("fold failed")
     monkeypatch.setattr(_history.ModuleHistory, "fold", broken)
     model = nn.Sequential(nn.Linear(2, 2))

@@ -279,10 +279,13 @@ def test_module_whose_forward_raises_then_next_batch_works(backend):
     insp.close()
 
 
-def test_numguard_failure_in_a_hook_warns_once_and_stops_watching_that_module(backend, monkeypatch):
+@pytest.mark.parametrize("path", ["fast", "python"])
+def test_numguard_failure_in_a_hook_warns_once_and_stops_watching_that_module(backend, monkeypatch, path):
+    # "fast": the ring's native fast path of a module call fails; "python": the hook's Python path.
     model = MLP()
     insp = numguard.watch(model, **quiet())
-    real = insp._ring.record
+    name = "module_call" if path == "fast" else "record"
+    real = getattr(insp._ring, name)
 
     def broken(owner, *args):
         if not broken.done and owner.name == "a":
@@ -291,7 +294,9 @@ def test_numguard_failure_in_a_hook_warns_once_and_stops_watching_that_module(ba
         return real(owner, *args)
 
     broken.done = False
-    monkeypatch.setattr(insp._ring, "record", broken)
+    if path == "python":
+        monkeypatch.setattr(insp._ring, "module_call", lambda *args: False)
+    monkeypatch.setattr(insp._ring, name, broken)
     with pytest.warns(InspectorWarning, match="stopped watching module 'a'.*numguard op error"):
         model(torch.randn(2, 8))
     with warnings.catch_warnings():

@@ -127,3 +127,105 @@ def test_a_non_tensor_is_a_clear_error():
     ring = ring_module.FrameRing(64, torch.device("cpu"))
     with pytest.raises(TypeError, match=r"xs\[1\] is not a tensor"):
         ring.record(Owner(0, "m", "M"), [torch.ones(2), 3.0], LABELS2, (TENSOR, TENSOR), "forward", True, False, 0)
+
+
+# -- the module hook's native fast path (FrameRecorder.module_call) ----------------------------
+
+class _Net(torch.nn.Module):
+    """Calls of every kind: one tensor in and out (the fast path), a keyword argument, a tuple
+    output, a non-tensor input, and a submodule called outside the root's forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+        self.split = _Split()
+
+    def forward(self, x):
+        h = self.b(self.a(x))
+        left, right = self.split(h, scale=2.0)
+        return left + right
+
+
+class _Split(torch.nn.Module):
+    def forward(self, x, scale=1.0):
+        return x * scale, x - 1
+
+
+def _frames_of(backend_fast, monkeypatch):
+    """(owner, labels, positions, dtypes, shapes, n_records) of every frame of three batches, with
+    the fast path on or off."""
+    model = _Net()
+    with numguard.watch(model, max_frames_to_save=100) as insp:
+        if not backend_fast:
+            monkeypatch.setattr(insp._ring, "module_call", lambda *args: False)
+        calls = []
+        real = insp._ring.module_call
+
+
+        def counted(*args):
+            handled = real(*args)
+            calls.append((args[0].name, handled))
+            return handled
+
+        monkeypatch.setattr(insp._ring, "module_call", counted)
+        for _ in range(3):
+            model(torch.randn(2, 4))
+        model.a(torch.randn(2, 4))   # outside the root's forward: the Python path
+        frames = [(f.owner.name, f.labels, f.positions, tuple(map(str, f.dtypes)), f.shapes, f.n_records,
+                   f.batch, f.hf, f.with_weights) for f in insp._ring.frames]
+        report = insp.last_report
+    return frames, calls, report
+
+
+def test_the_fast_path_records_what_the_python_path_records(monkeypatch):
+    fast, calls, _ = _frames_of(True, monkeypatch)
+    with monkeypatch.context() as m:
+        slow, _, _ = _frames_of(False, m)
+    assert fast == slow
+    # The fast path took the one-in-one-out calls inside the forward, and left the rest.
+    assert {("a", True), ("b", True), ("split", False), ("a", False)} == set(calls)
+
+
+def test_the_fast_path_trips_at_the_first_bad_module_like_the_python_path():
+    model = _Net()
+    with numguard.watch(model, abort_after_batch_num=None) as insp:
+        model(torch.randn(2, 4))
+        with torch.no_grad():
+            model.b.weight[0, 0] = float("nan")
+        with pytest.raises(numguard.NonFiniteError) as info:
+            model(torch.randn(2, 4))
+    assert info.value.module == "b"
+
+
+# -- the weight table's native parameter walk (csrc/weights.cpp) --------------------------------
+
+def test_the_native_parameter_walk_follows_every_change_of_the_parameters():
+    from numguard.inspector import weights as weights_module
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    with numguard.watch(model) as insp:
+        table = insp._weights
+        python_batches = []
+        real = table._record_stats
+        table._record_stats = lambda *args: python_batches.append(insp.batches_finished) or real(*args)
+        x = torch.randn(2, 3)
+        for _ in range(3):
+            model(x)
+        assert python_batches == [0]                 # the layout is built once, then walked natively
+        steady = table.tables[max(table.tables)][0].clone()
+        model[1].weight = torch.nn.Parameter(torch.full((2, 3), 5.0))   # a new parameter object
+        model(x)
+        assert python_batches == [0, 3]
+        assert table.tables[max(table.tables)][0][2, numguard.schema.ABS_MAX].item() == 5.0
+        model(x)
+        assert python_batches == [0, 3]
+        model.double()                               # same objects, another dtype
+        model(x.double())
+        assert python_batches == [0, 3, 5]
+        with torch.no_grad():
+            model[0].bias.data[1] = float("inf")     # a write the version counter does not see
+        with pytest.raises(numguard.NonFiniteError) as info:
+            model(x.double())
+        assert info.value.module == "0"
+    assert steady.shape[0] == 4 and weights_module.WeightTable is type(table)

@@ -532,9 +532,8 @@ class Inspector(ModuleHooks):
         return data
 
     def _fold_history(self, boundary):
-        frames = self._ring.frames
         try:
-            self._history.fold(frames[self._ring.last_check_frames:boundary], self._ring)
+            self._history.fold(self._ring, self._ring.last_check_frames, boundary)
         except Exception as exc:  # advice is lost, never the job
             self._history = None
             self._warn_once(("history",), f"numguard: the per-module history stopped after an internal error "

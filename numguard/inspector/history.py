@@ -22,7 +22,7 @@ from array import array
 
 import torch
 
-from .. import schema
+from .. import ops, schema
 from .frames import ONE_IN_ONE_OUT_LABELS, TENSOR
 from .ring import outside_inference_mode
 
@@ -62,15 +62,38 @@ class ModuleHistory:
         """Start over on another device (the model moved)."""
         self._allocate(device)
 
-    def fold(self, frames, ring):
-        """Fold the records of `frames` (confirmed healthy, still in `ring`) into the table."""
+    def fold(self, ring, lo, hi):
+        """Fold the records of frames [lo, hi) of `ring` (confirmed healthy) into the table."""
         if torch.is_inference_mode_enabled():
             with torch.inference_mode(False):
-                return self._fold(frames, ring)
-        return self._fold(frames, ring)
+                return self._fold(ring, lo, hi)
+        return self._fold(ring, lo, hi)
 
-    def _fold(self, frames, ring):
-        # Host work per tensor line: a few appends (this runs at every healthy check).
+    def _fold(self, ring, lo, hi):
+        if _native_fold is not None:
+            index_t, mult_t, new_slots = _native_fold(
+                ring.frames, lo, hi, ring.size, ring.pos - ring.size, self.window, len(FIELDS), self.slot_batch,
+                self.by_name, self.dtypes, _FLOATING, ONE_IN_ONE_OUT_LABELS, _FOLD_LAYOUT)
+        else:
+            index_t, mult_t, new_slots = self._fold_lines(ring.frames[lo:hi], ring)
+        table = self.table
+        for slot in new_slots:   # a slot taken by a newer batch starts empty (one fill per batch)
+            table[:, slot].fill_(_EMPTY)
+        n = mult_t.numel()
+        if not n:
+            return
+        device = table.device
+        index_t = _to_device(index_t, device)
+        mult_t = _to_device(mult_t, device)
+        values = ring.ring.reshape(-1).index_select(0, index_t[:n]).mul_(mult_t)
+        # MIN_NONZERO is +inf when a tensor has no non-zero value: -inf after negation, an empty cell.
+        table.view(-1).scatter_reduce_(0, index_t[n:], values, "amax")
+
+    def _fold_lines(self, frames, ring):
+        """The host work of a fold, a few appends per tensor line (csrc/history.cpp's fold_lines
+        does the same in one native call, with the native kernels): ring element indexes then table cells (int64[2n], on the CPU), their
+        multipliers (float64[n]) and the slots newly taken by a batch. Updates `slot_batch` and
+        `dtypes`."""
         index, mult = array("q"), array("d")   # index: ring element positions, then table cells
         cells = array("q")
         add_index, add_mult, add_cell = index.append, mult.append, cells.append
@@ -143,19 +166,10 @@ class ModuleHistory:
                     kinds = dtypes.setdefault(row, [None, None])
                     if kinds[1] is None:
                         kinds[1] = str(dtype)
-        table = self.table
-        for slot in new_slots:   # a slot taken by a newer batch starts empty (one fill per batch)
-            table[:, slot].fill_(_EMPTY)
-        if not index:
-            return
-        n = len(index)
         index += cells
-        device = table.device
-        index_t = _to_device(index, torch.int64, device)
-        mult_t = _to_device(mult, torch.float64, device)
-        values = ring.ring.reshape(-1).index_select(0, index_t[:n]).mul_(mult_t)
-        # MIN_NONZERO is +inf when a tensor has no non-zero value: -inf after negation, an empty cell.
-        table.view(-1).scatter_reduce_(0, index_t[n:], values, "amax")
+        return (torch.frombuffer(index, dtype=torch.int64) if index else torch.empty(0, dtype=torch.int64),
+                torch.frombuffer(mult, dtype=torch.float64) if mult else torch.empty(0, dtype=torch.float64),
+                new_slots)
 
     def to_dict(self) -> dict:
         """The history as plain data (one device->host copy): batches oldest first, and per module
@@ -179,10 +193,13 @@ class ModuleHistory:
         return {"window": self.window, "batches": [b for b, _ in order], "modules": modules}
 
 
-def _to_device(values, dtype, device):
-    """A 1-d tensor on `device` from an array (no per-element Python work)."""
-    host = torch.frombuffer(values, dtype=dtype)
+def _to_device(host, device):
+    """A CPU tensor on `device` (the fold's index lists)."""
     if device.type == "cuda":
         # From pinned memory without waiting: the copy is ordered before the ops that read it.
         return host.pin_memory().to(device, non_blocking=True)
     return host if device.type == "cpu" else host.to(device)
+
+
+_native_fold = getattr(ops.native_module(), "fold_lines", None)
+_FOLD_LAYOUT = [_NCOLS, _ABS_MAX, _MIN_NONZERO, _SUBNORMAL, OUT_MAX, IN_MAX, MIN_NZ, GRAD_MAX, GRAD_MIN_NZ, GRAD_SUB]

@@ -49,10 +49,10 @@ class ModuleHooks:
                     torch.compiler.disable(functools.partial(self._root_hook, owner)), with_kwargs=True))
                 self._add_after_hook(owner, module)
             else:
-                # Without operation mode the hook is the module hook itself (no extra call per module).
-                hook = self._hook if self._ops is not None else self._module_hook
-                self._handles.append(module.register_forward_hook(
-                    functools.partial(hook, owner), with_kwargs=True))
+                # Without operation mode: the native fast path first, else the module hook itself.
+                hook = (functools.partial(self._hook, owner) if self._ops is not None
+                        else self._fast_module_hook(owner))
+                self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
                 if self._ops is not None:
                     # Operation mode names the module whose forward runs each operation.
                     self._handles.append(module.register_forward_pre_hook(
@@ -144,6 +144,25 @@ class ModuleHooks:
             return self._module_hook(owner, module, args, kwargs, output)
         finally:
             ops.paused -= 1
+
+    def _fast_module_hook(self, owner):
+        """The forward hook of a module: the ring's native fast path for the steady-state call (one
+        tensor in, one out, inside the root's forward), else _module_hook. Under torch.compile
+        only _module_hook is traced (NOTE: [compile])."""
+        ring = self._ring
+        slow = self._module_hook
+
+        def hook(module, args, kwargs, output):
+            if not _is_compiling():
+                try:
+                    if ring.module_call(owner, self, args, kwargs, output):
+                        return None
+                except Exception as exc:  # numguard's own failure must not kill the job
+                    self._disable(owner, exc)
+                    return None
+            return slow(owner, module, args, kwargs, output)
+
+        return hook
 
     def _module_hook(self, owner, module, args, kwargs, output):
         if owner.off or self._closed:

@@ -11,7 +11,7 @@ import weakref
 import torch
 
 from .. import ops, schema
-from .frames import Frame, local_shard
+from .frames import ONE_IN_ONE_OUT_KINDS, ONE_IN_ONE_OUT_LABELS, Frame, local_shard
 
 MAX_RECORDS = 1 << 18   # records (16 MiB of float64[8]); older frames drop out beyond this
 _SEEN_LIMIT = 512       # tensors remembered for reuse within a batch
@@ -55,6 +55,11 @@ class _PythonRecorder:
 
     def clear_seen(self):
         self._seen.clear()
+
+    @staticmethod
+    def module_call(owner, inspector, args, kwargs, output):
+        """The native fast path only: every call takes the hook's Python path here."""
+        return False
 
     def seen_count(self):
         return len(self._seen)
@@ -156,7 +161,11 @@ class FrameRing:
     tensors with one launch (tensors unchanged since an earlier frame of the batch are not recorded
     again) and appends its Frame; no host sync. `state`: a recording state to update instead of
     the ring's (operation frames: their NaN/Inf does not trip the ring by itself). It is the recorder's own method (the native FrameRecorder
-    when the extension is loaded: no Python frame per watched module call)."""
+    when the extension is loaded: no Python frame per watched module call).
+
+    ``module_call(owner, inspector, args, kwargs, output)``: the steady-state module hook's fast
+    path (one tensor in, one out, inside an open batch): records the frame and returns True, else
+    returns False and the hook's Python path handles the call (always, without the extension)."""
 
     pos = _recorder_field("pos", "Where the next record goes.")
     window_lo = _recorder_field("window_lo", "The oldest ring position a held frame refers to.")
@@ -173,6 +182,7 @@ class FrameRing:
         self.last_check_frames = 0
         self._allocate(size, device)
         self.record = self._recorder.record_frame
+        self.module_call = self._recorder.module_call
 
     @outside_inference_mode
     def _allocate(self, size, device):
@@ -195,8 +205,11 @@ class FrameRing:
         # Through a weak reference: the recorder must not keep its ring alive (no cycle the
         # garbage collector could see through C++).
         ring_ref = weakref.ref(self)
-        return recorder(self.ring, self.state, self.frames, self.frame_starts, Frame,
-                        lambda xs: ring_ref().sanitize(xs), lambda needed: ring_ref()._grow(needed), _SEEN_LIMIT)
+        native_recorder = recorder(self.ring, self.state, self.frames, self.frame_starts, Frame,
+                                   lambda xs: ring_ref().sanitize(xs), lambda needed: ring_ref()._grow(needed),
+                                   _SEEN_LIMIT)
+        native_recorder.set_fast_path(ONE_IN_ONE_OUT_LABELS, ONE_IN_ONE_OUT_KINDS, "forward")
+        return native_recorder
 
     def move_to(self, device):
         """Start over on another device (the model moved after watch())."""

@@ -46,6 +46,8 @@ class WeightTable:
         self.layout = None
         self._cache = None           # (parameter ids, layout, positions of the watched ones, dtypes, any DTensor)
         self.limits_inv = None       # 1 / dtype max per row (0 for wide dtypes), for headroom
+        walk = getattr(ops.native_module(), "ParameterWalk", None)
+        self._walk = walk() if walk is not None else None  # the steady-state batch (csrc/weights.cpp)
 
     def _current_params(self):
         params = []
@@ -68,6 +70,29 @@ class WeightTable:
         """Compute batch `batch`'s table (one launch) and the owners' weight flags. Every batch
         recomputes it: parameter version counters cannot be trusted to skip it, since writes
         through `.data` do not bump them. `move_to(device)` is called when the model moved."""
+        cache = self._cache
+        stats = None
+        if self._walk is not None and cache is not None and cache[1] is self.layout:
+            stats = self._walk.stats(self.owners)
+        if stats is None:
+            stats = self._record_stats(ring, move_to)
+            if stats is None:
+                return
+        layout = self.layout
+        self.tables[batch] = (stats, layout)
+        bad = (stats[:, schema.NAN] + stats[:, schema.POS_INF] + stats[:, schema.NEG_INF]) > 0
+        per_ref = torch.where(bad, math.nan, 0.0).to(torch.float32).index_select(0, layout["wi"])
+        flags = layout["flags"]
+        flags.zero_()
+        flags.index_add_(0, layout["mi"], per_ref)
+        if self.limits_inv is not None:
+            over = (stats[:, schema.ABS_MAX] * self.limits_inv > self.headroom).any()
+            flag = ring.state_buf[WEIGHT_HEADROOM:WEIGHT_HEADROOM + 1]
+            torch.maximum(flag, over.view(1).to(torch.int64), out=flag)
+
+    def _record_stats(self, ring, move_to):
+        """The stats of every watched parameter after a walk in Python (the layout is rebuilt when
+        the parameters changed), or None when there is none."""
         current = [p for o in self.owners if (m := o.ref()) is not None for p in m._parameters.values()]
         fingerprint = tuple(map(id, current))
         cache = self._cache
@@ -84,7 +109,7 @@ class WeightTable:
                            any(local_shard(p) is not p for p in unique))
         layout = self.layout
         if not layout["tensors_n"]:
-            return
+            return None
         if unique[0].device != ring.device:
             # The model moved (e.g. .to(device) after watch()): start over on the new device.
             move_to(unique[0].device)
@@ -95,16 +120,14 @@ class WeightTable:
             tensors = [local_shard(p) for p in unique] if self._cache is None or self._cache[4] else unique
             stats = ops.multi_tensor_stats(tensors, checked=True) if layout["one_device"] else torch.cat(
                 [ops.tensor_stats(p).to(ring.device).view(1, -1) for p in tensors])
-        self.tables[batch] = (stats, layout)
-        bad = (stats[:, schema.NAN] + stats[:, schema.POS_INF] + stats[:, schema.NEG_INF]) > 0
-        per_ref = torch.where(bad, math.nan, 0.0).to(torch.float32).index_select(0, layout["wi"])
-        flags = layout["flags"]
-        flags.zero_()
-        flags.index_add_(0, layout["mi"], per_ref)
-        if self.limits_inv is not None:
-            over = (stats[:, schema.ABS_MAX] * self.limits_inv > self.headroom).any()
-            flag = ring.state_buf[WEIGHT_HEADROOM:WEIGHT_HEADROOM + 1]
-            torch.maximum(flag, over.view(1).to(torch.int64), out=flag)
+        if self._walk is not None:
+            cache = self._cache
+            if cache is not None and layout["one_device"] and not cache[4] and unique[0].device == ring.device:
+                # From the next batch on, the same parameters are picked natively.
+                self._walk.remember(self.owners, cache[2])
+            else:
+                self._walk.forget()
+        return stats
 
     def _build_layout(self):
         params = self._current_params()
@@ -158,11 +181,15 @@ class WeightTable:
         for owner in self.owners:
             owner.flag = None
         self.layout = None
+        if self._walk is not None:
+            self._walk.forget()
 
     def forget(self):
         """Drop every table and the cached layout (the model moved to another device)."""
         self.tables.clear()
         self._cache = None
+        if self._walk is not None:
+            self._walk.forget()
 
     def drop_before(self, batch):
         """Forget the tables of batches before `batch` (no held frame refers to them)."""
