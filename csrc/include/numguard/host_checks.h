@@ -215,6 +215,10 @@ struct StrideLayout {
 inline StrideLayout analyze_strides(const at::Tensor& x) {
   StrideLayout out;
   if (x.numel() == 0) return out;
+  if (x.is_contiguous()) {  // the common case, without sorting dims: one dense span
+    out.numel = x.numel();
+    return out;
+  }
   c10::SmallVector<std::pair<int64_t, int64_t>, 6> dims;  // (stride, size)
   for (int64_t d = 0; d < x.dim(); ++d) {
     const int64_t size = x.size(d);
