@@ -9,6 +9,7 @@ device group. The same model unrouted is the single-device reference."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -251,3 +252,41 @@ def test_states_combine_to_the_earliest_trip_and_headroom(main, side, merged):
     assert into.tolist() == list(merged)
     ring_module._combine_state(into, torch.tensor(side))  # a second merge changes nothing
     assert into.tolist() == list(merged)
+
+
+class _Big(torch.nn.Module):
+    def forward(self, x):
+        return x * 0.7 * 65504
+
+
+class _HalfStage(torch.nn.Module):
+    """A float32 module (main device), then a float16 one (the other device)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Identity()
+        self.big = _Big()
+
+    def forward(self, x):
+        return self.big(self.a(x).half())
+
+
+def test_headroom_on_the_second_device_warns_as_on_one_device(backend, monkeypatch):
+    messages = []
+    for routed in (False, True):
+        model = _HalfStage()
+        insp = numguard.watch(model, **quiet())
+        if routed:
+            insp._ring.set_route(lambda x: SIDE if x.dtype == torch.float16 else None)
+        with pytest.warns(numguard.errors.HeadroomWarning) as caught:
+            model(torch.ones(4))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # re-armed on every device: no warning again
+            for _ in range(3):
+                model(torch.ones(4))
+        assert insp.trips == 0
+        assert bool(insp._ring.sides) == routed
+        insp.close()
+        messages.append([str(w.message) for w in caught])
+    assert "big (_Big) output reached abs max" in messages[0][0]
+    assert messages[1] == messages[0]
