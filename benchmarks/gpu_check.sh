@@ -122,6 +122,44 @@ PYEOF
 # another, a NaN planted between replays reported naming its submodule.
 phase "compiled call in CUDA graph" 180 "$PY" benchmarks/cuda_graph_check.py --compiled
 
+# --- 2e. a model spread over devices (NOTE: [one ring per device]) ----------------------------
+# cuda:0 -> cuda:1 (with 2+ GPUs) -> a CPU-offloaded part: each stage records on its own device
+# (a side ring per device, nothing sent through sanitize's copy), and a NaN planted in the
+# second stage is reported naming it.
+phase "spread over devices" 60 "$PY" - <<'PYEOF'
+import torch, numguard
+two = torch.cuda.device_count() > 1
+mid = "cuda:1" if two else "cuda:0"
+class Spread(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(64, 64).to("cuda:0")
+        self.b = torch.nn.Linear(64, 64).to(mid)
+        self.c = torch.nn.Linear(64, 64)  # offloaded to the CPU
+    def forward(self, x):
+        return self.c(self.b(self.a(x).to(mid)).cpu())
+model = Spread()
+insp = numguard.watch(model, report_to=None)
+copied = []
+sanitize = insp._ring.sanitize
+insp._ring.sanitize = lambda xs: copied.append(len(xs)) or sanitize(xs)
+x = torch.ones(4, 64, device="cuda:0")
+with torch.no_grad():
+    model(x); model(x)
+    sides = sorted(str(s.device) for s in insp._ring.sides)
+    assert sides == (["cpu", "cuda:1"] if two else ["cpu"]), sides
+    assert copied == [], copied
+    model.b.bias[0] = float("nan")
+    try:
+        model(x)
+        raise SystemExit("no trip")
+    except numguard.NonFiniteError as exc:
+        assert exc.module == "b", exc.module
+        print(exc.report)
+insp.close()
+print("spread over devices: ok (sides", sides, ")")
+PYEOF
+
 # --- 2c. numguard doctor on this machine's GPU(s) -----------------------------------------------
 # One rank per visible GPU under torchrun (NCCL for the checks, gloo for facts); prints the rank
 # table, the exact-result checks, bandwidth (2+ GPUs) and the findings; JSON in benchmarks/results.

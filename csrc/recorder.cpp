@@ -231,6 +231,31 @@ class FrameRecorder {
     size_ = ring_.size(0);
   }
 
+  // NOTE: [one ring per device] (numguard/inspector/ring.py): a tensor on another device is
+  // recorded there, into that device's side ring (slot k >= 1, same rows as the main ring), made
+  // on first use by `factory(key) -> (ring, state)`; the runs written there are kept for the
+  // Python side's merge (take_routed).
+  void set_side_factory(py::object factory) { side_factory_ = std::move(factory); }
+  // Tests only: `router(x) -> key or None` makes tensors stand for another device's.
+  void set_router(py::object router) { router_ = std::move(router); }
+  void set_side(int64_t slot, at::Tensor ring, at::Tensor state) {
+    TORCH_CHECK(slot >= 1 && slot <= static_cast<int64_t>(sides_.size()), "numguard: no side ring ", slot);
+    sides_[slot - 1] = Side{std::move(ring), std::move(state)};
+  }
+  void clear_sides() {
+    sides_.clear();
+    side_by_device_.clear();
+    side_by_key_ = py::dict();
+    routed_.clear();
+  }
+  // (slot, start, count) triples, flattened, of the records written to side rings since the last call.
+  py::list take_routed() {
+    py::list out;
+    for (int64_t v : routed_) out.append(py::int_(v));
+    routed_.clear();
+    return out;
+  }
+
   void clear_seen() { seen_.clear(); }
   int64_t seen_count() const { return static_cast<int64_t>(seen_.size()); }
 
@@ -248,6 +273,9 @@ class FrameRecorder {
     fresh.reserve(count + 1);
     int64_t lo = pos;
     bool clean = true;
+    std::vector<int> slots;  // per record: 0 the main ring, k side ring k
+    slots.reserve(count + 1);
+    bool routed = false;
     for (size_t i = 0; i < count; ++i) {
       PyObject* obj = PyList_GET_ITEM(xs.ptr(), i);
       if (!THPVariable_Check(obj)) throw py::type_error(c10::str("numguard: xs[", i, "] is not a tensor"));
@@ -267,14 +295,22 @@ class FrameRecorder {
         at = pos + static_cast<int64_t>(fresh.size());
         fresh.push_back(x);
         fresh_index.push_back(i);
-        if (clean && !records_directly(x, device_)) clean = false;
+        if (clean) {
+          // A frame with a state of its own (reuse off) keeps everything on the main ring.
+          const int slot = reuse ? slot_for(obj, x) : (records_directly(x, device_) ? 0 : -1);
+          if (slot < 0) clean = false;
+          slots.push_back(slot);
+          routed = routed || slot > 0;
+        }
       }
       at_positions.push_back(at);
     }
     py::tuple dtypes, shapes;
     describe(owner, tensors, &dtypes, &shapes);
+    if (!clean) routed = false;
     std::vector<at::Tensor> batch = clean ? fresh : sanitized(xs, fresh_index);
     if (!flag.is_none()) {
+      slots.push_back(0);  // the weight table's flag lives on the main device
       if (!THPVariable_Check(flag.ptr())) throw py::type_error("numguard: flag must be a tensor or None");
       at_positions.push_back(pos + static_cast<int64_t>(batch.size()));
       batch.push_back(THPVariable_Unpack(flag.ptr()));
@@ -284,9 +320,13 @@ class FrameRecorder {
       const int64_t window = (!has_frames || lo < window_lo) ? lo : window_lo;
       if (pos + n - window > size_) grow_(pos + n - window);  // calls set_ring
       try {
-        launch(batch, pos, headroom);
+        if (routed) {
+          launch_routed(batch, slots, pos, headroom);
+        } else {
+          launch(batch, pos, headroom);
+        }
       } catch (const std::exception&) {
-        if (!clean || !any_needs_values(fresh)) throw;
+        if (routed || !clean || !any_needs_values(fresh)) throw;
         // What only the op can reject (e.g. meta tensors on the ring's device) is recorded through
         // sanitize instead of losing the frame.
         std::vector<at::Tensor> again = sanitized(xs, fresh_index);
@@ -347,13 +387,72 @@ class FrameRecorder {
 
  private:
   void launch(const std::vector<at::Tensor>& batch, int64_t pos, double headroom) {
-    if (device_.is_cpu()) {
-      cpu::record_cpu(ring_, state_override_.defined() ? state_override_ : state_, batch, pos, headroom);
+    launch_on(ring_, state_override_.defined() ? state_override_ : state_, batch, pos, headroom);
+  }
+
+  static void launch_on(const at::Tensor& ring, const at::Tensor& state, const std::vector<at::Tensor>& batch,
+                        int64_t pos, double headroom) {
+    if (ring.is_cpu()) {
+      cpu::record_cpu(ring, state, batch, pos, headroom);
       return;
     }
     static const auto op =
         c10::Dispatcher::singleton().findSchemaOrThrow("numguard::record_", "").typed<RecordSignature>();
-    op.call(ring_, state_override_.defined() ? state_override_ : state_, batch, pos, headroom);
+    op.call(ring, state, batch, pos, headroom);
+  }
+
+  // One record_ per run of records bound for the same ring (NOTE: [one ring per device]).
+  void launch_routed(const std::vector<at::Tensor>& batch, const std::vector<int>& slots, int64_t pos,
+                     double headroom) {
+    size_t i = 0;
+    while (i < batch.size()) {
+      size_t j = i + 1;
+      while (j < batch.size() && slots[j] == slots[i]) ++j;
+      const std::vector<at::Tensor> run(batch.begin() + i, batch.begin() + j);
+      const int64_t start = pos + static_cast<int64_t>(i);
+      if (slots[i] == 0) {
+        launch(run, start, headroom);
+      } else {
+        const Side& side = sides_[slots[i] - 1];
+        launch_on(side.ring, side.state, run, start, headroom);
+        routed_.insert(routed_.end(), {slots[i], start, static_cast<int64_t>(j - i)});
+      }
+      i = j;
+    }
+  }
+
+  // Where `x` (the Python object `obj`) is recorded: 0 the main ring, k >= 1 side ring k, -1
+  // through the Python side's sanitize (copied to the main device, as anything not recordable as it is).
+  int slot_for(PyObject* obj, const at::Tensor& x) {
+    if (!router_.is_none()) {
+      py::object key = router_(py::handle(obj));
+      if (!key.is_none()) {
+        if (!records_directly(x, x.device())) return -1;
+        if (side_by_key_.contains(key)) return side_by_key_[key].cast<int>();
+        const int slot = add_side(key);
+        side_by_key_[key] = py::int_(slot);
+        return slot;
+      }
+    }
+    const c10::Device device = x.device();
+    if (device == device_) return records_directly(x, device_) ? 0 : -1;
+    if (device.is_meta() || !records_directly(x, device)) return -1;
+    auto found = side_by_device_.find(device);
+    if (found != side_by_device_.end()) return found->second;
+    const int slot = add_side(py::cast(device));
+    side_by_device_[device] = slot;  // -1 too: not asked again
+    return slot;
+  }
+
+  int add_side(const py::object& key) {
+    if (side_factory_.is_none()) return -1;
+    try {
+      py::tuple got = side_factory_(key);
+      sides_.push_back(Side{THPVariable_Unpack(got[0].ptr()), THPVariable_Unpack(got[1].ptr())});
+    } catch (py::error_already_set&) {
+      return -1;  // no side ring: this device's tensors are copied to the main one, as before
+    }
+    return static_cast<int>(sides_.size());
   }
 
   static bool is_true(const py::handle& obj, const py::handle& name) {
@@ -395,6 +494,16 @@ class FrameRecorder {
   py::object grow_;
   int64_t seen_limit_;
   std::unordered_map<c10::TensorImpl*, SeenTensor> seen_;
+  struct Side {
+    at::Tensor ring;
+    at::Tensor state;
+  };
+  std::vector<Side> sides_;  // slot k is sides_[k - 1]
+  std::unordered_map<c10::Device, int> side_by_device_;
+  py::dict side_by_key_;  // router keys (tests)
+  py::object side_factory_ = py::none();
+  py::object router_ = py::none();
+  std::vector<int64_t> routed_;  // (slot, start, count) since the last take_routed
   std::unordered_map<PyObject*, FrameMeta> meta_;  // by owner
 };
 
@@ -417,6 +526,11 @@ void bind_frame_recorder(py::module& module) {
            py::arg("kwargs"), py::arg("output"))
       .def("set_fast_path", &FrameRecorder::set_fast_path, py::arg("labels"), py::arg("kinds"), py::arg("section"))
       .def("set_ring", &FrameRecorder::set_ring)
+      .def("set_side_factory", &FrameRecorder::set_side_factory)
+      .def("set_router", &FrameRecorder::set_router)
+      .def("set_side", &FrameRecorder::set_side)
+      .def("clear_sides", &FrameRecorder::clear_sides)
+      .def("take_routed", &FrameRecorder::take_routed)
       .def("clear_seen", &FrameRecorder::clear_seen)
       .def("seen_count", &FrameRecorder::seen_count)
       .def("record", &FrameRecorder::record);

@@ -114,6 +114,7 @@ class FlagReader:
         # runs those, while evaluation under no_grad often runs on some ranks only (rank 0's
         # eval), where a collective would pair with an unrelated one on the other ranks.
         # Evaluation trips are reported by their own rank.
+        self.ring.merge_devices()  # NOTE: [one ring per device]
         state = self.ring.state_buf
         if distributed_on() and (torch.is_grad_enabled() or self.where != "batch end"):
             module = coordination(self.warned)
@@ -187,6 +188,7 @@ class FlagReader:
     def read_local(self, where, batch) -> CheckStatus:
         """One device->host read of this rank's state only (outside the ranks' common checks)."""
         self.where = where
+        self.ring.merge_devices()
         values = self.ring.state_buf.tolist()
         return CheckStatus(values[:8], [], len(self.ring.frames), batch)
 

@@ -354,6 +354,7 @@ class Inspector(ModuleHooks):
         skipped). One read of the state: a trip recorded before `position` is still handled."""
         if self._closed:
             return
+        self._ring.merge_devices()  # other devices' trips too (NOTE: [one ring per device])
         tripped, first = self._ring.state[:2].tolist()
         if not tripped:
             return

@@ -1,7 +1,16 @@
 """The device ring and its recording state: where each frame's records go, the frames still
 held for a report, the reuse of tensors already recorded this batch, growth and wrap-around.
 
-Nothing here reads a device value: recording is one ``numguard.ops.record_`` launch per frame.
+Nothing here reads a device value: recording is one ``numguard.ops.record_`` launch per frame
+(one per device for a frame whose tensors sit on several devices).
+
+NOTE: [one ring per device] A model spread over devices (``device_map="auto"``, pipeline stages,
+a CPU-offloaded part) records each tensor on its own device, into that device's side ring: same
+rows, same global positions, its own recording state. No activation is copied across devices.
+Every check first merges the side rings into the main one (`merge_devices`: per side device, one
+copy of the rows it wrote since the last merge and one combine of its state, the earliest trip
+winning), so everything that reads the ring or the state afterwards (the flag read, reports,
+history, the cross-rank numbers) sees one ring, exactly as on a single device.
 """
 from __future__ import annotations
 
@@ -17,6 +26,7 @@ MAX_RECORDS = 1 << 18   # records (16 MiB of float64[8]); older frames drop out 
 _SEEN_LIMIT = 512       # tensors remembered for reuse within a batch
 _RECORDABLE = frozenset(getattr(torch, name) for name in schema.RECORDABLE_DTYPES if hasattr(torch, name))
 _STRIDED = torch.strided
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})  # no subclass (DTensor: through sanitize)
 
 # The state buffer: the op's recording state (numguard.schema.STATE_FIELDS), then the weight
 # table's headroom flag; read in one device->host copy.
@@ -28,6 +38,24 @@ def outside_inference_mode(method):
     """numguard's own buffers are made and updated as normal tensors even when the model runs
     under torch.inference_mode(): an inference tensor could not be updated in place after it."""
     return torch.inference_mode(False)(method)
+
+
+def _combine_state(into, other):
+    """Fold a side device's recording state into the main one, on the main device: a flag is up
+    when either is, and its position is the earlier of those that are up (idempotent)."""
+    flags, positions = into[0::2], into[1::2]
+    other_flags, other_positions = other[0::2], other[1::2]
+    take = (other_flags != 0) & ((flags == 0) | (other_positions < positions))
+    positions.copy_(torch.where(take, other_positions, positions))
+    flags.copy_(torch.maximum(flags, other_flags))
+
+
+def _to_device(values, device):
+    """A host int64 list on `device` without blocking the host (pinned source for CUDA)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def device_index(device):
@@ -49,9 +77,17 @@ class _PythonRecorder:
         self.hf_calls = 0
         self.pending_start = 0
         self._seen = {}  # id(tensor) -> (weakref, version, position), this batch
+        self._slots = {}  # routing key -> side slot (1-based; 0 is the main ring)
+        self._routed = []  # (slot, start, count) of records written to side rings since the last take
 
     def set_ring(self, ring, state):
         """Nothing to do: the ring and state are read from the FrameRing at each record."""
+
+    def set_side(self, slot, ring, state):
+        """Nothing to do: side rings are read from the FrameRing at each record."""
+
+    def set_router(self, route):
+        """Nothing to do: the route is read from the FrameRing at each record."""
 
     def clear_seen(self):
         self._seen.clear()
@@ -60,6 +96,32 @@ class _PythonRecorder:
     def module_call(owner, inspector, args, kwargs, output):
         """The native fast path only: every call takes the hook's Python path here."""
         return False
+
+    def take_routed(self):
+        routed, self._routed = self._routed, []
+        return [v for run in routed for v in run]
+
+    def clear_sides(self):
+        self._slots.clear()
+        self._routed.clear()
+
+    def _slot(self, ring, x, dev_index):
+        """Where `x` is recorded: 0 (the main ring), a side slot, or -1 (through sanitize)."""
+        key = None if ring.route is None else ring.route(x)
+        if key is None:
+            if x.get_device() == dev_index:
+                return 0
+            key = x.device
+            if key.type == "meta" or x.is_nested or type(x) not in _PLAIN:
+                return -1
+        slot = self._slots.get(key)
+        if slot is None:
+            try:
+                ring._add_side(key)
+            except Exception:
+                return -1
+            slot = self._slots[key] = len(ring.sides)
+        return slot
 
     def seen_count(self):
         return len(self._seen)
@@ -93,6 +155,8 @@ class _PythonRecorder:
         shapes = []
         positions = []
         new = []
+        slots = None  # per fresh tensor, once one of them goes to a side ring
+        route = reuse and ring.route is not None
         lo = pos
         clean = True
         for x in xs:
@@ -112,11 +176,23 @@ class _PythonRecorder:
             else:
                 positions.append(pos + len(new))
                 new.append(x)
-                if clean and (dtype not in _RECORDABLE or x.get_device() != dev_index
-                              or x.layout is not _STRIDED):
-                    clean = False
+                if clean:
+                    if route or x.get_device() != dev_index:
+                        # NOTE: [one ring per device]; a frame with a state of its own: sanitize.
+                        slot = self._slot(ring, x, dev_index) if reuse else -1
+                    else:
+                        slot = 0
+                    if slot < 0 or dtype not in _RECORDABLE or x.layout is not _STRIDED:
+                        clean = False
+                    elif slot:
+                        if slots is None:
+                            slots = [0] * (len(new) - 1)
+                        slots.append(slot)
+                    elif slots is not None:
+                        slots.append(0)
         fresh = new
         if not clean:
+            slots = None
             new = ring.sanitize(new)
         if flag is not None:
             positions.append(pos + len(new))
@@ -127,9 +203,13 @@ class _PythonRecorder:
             if pos + n - window > ring.size:
                 ring._grow(pos + n - window)
             try:
-                ops.record_(ring.ring, state, new, pos, headroom)
+                if slots is None:
+                    ops.record_(ring.ring, state, new, pos, headroom)
+                else:
+                    self._record_routed(ring, new, slots, pos, headroom)
             except Exception:
-                if not clean or not any(x.is_meta or x.is_nested or local_shard(x) is not x for x in fresh):
+                if not clean or slots is not None or not any(
+                        x.is_meta or x.is_nested or local_shard(x) is not x for x in fresh):
                     raise
                 # The quick screen above passes what only the op can reject (meta, nested
                 # tensors, DTensors): record their values through sanitize instead of losing the frame.
@@ -143,6 +223,34 @@ class _PythonRecorder:
             except (RuntimeError, TypeError):  # inference tensors: no version counter, no reuse
                 pass
         return tuple(dtypes), tuple(shapes), tuple(positions), n, lo
+
+    def _record_routed(self, ring, new, slots, pos, headroom):
+        """One record_ per run of tensors on the same device, into that device's ring."""
+        slots = slots + [0] * (len(new) - len(slots))  # the weight flag: on the main device
+        i = 0
+        while i < len(new):
+            j = i + 1
+            while j < len(new) and slots[j] == slots[i]:
+                j += 1
+            if slots[i]:
+                side = ring.sides[slots[i] - 1]
+                ops.record_(side.ring, side.state, new[i:j], pos + i, headroom)
+                self._routed.append((slots[i], pos + i, j - i))
+            else:
+                ops.record_(ring.ring, ring.state, new[i:j], pos + i, headroom)
+            i = j
+
+
+class _Side:
+    """Another device's ring and recording state (NOTE: [one ring per device])."""
+
+    __slots__ = ("key", "device", "ring", "state")
+
+    def __init__(self, key, device, ring, state):
+        self.key = key
+        self.device = device
+        self.ring = ring
+        self.state = state
 
 
 def _recorder_field(name, doc):
@@ -178,6 +286,9 @@ class FrameRing:
         self.frames = []
         self.frame_starts = []      # start position per frame (for bisect)
         self._recorder = None
+        self.sides = []             # other devices' rings (NOTE: [one ring per device])
+        # Tests only: route(x) -> a key standing for another device (None: x's own device).
+        self.route = None
         self.floor = 0
         self.last_check_frames = 0
         self._allocate(size, device)
@@ -192,10 +303,12 @@ class FrameRing:
         self.size = size
         self.state_buf = torch.tensor(_STATE_BUFFER, dtype=torch.int64, device=device)
         self.state = self.state_buf[0:schema.STATE_SIZE]
+        self.sides = []
         if self._recorder is None:
             self._recorder = self._new_recorder()
         else:
             self._recorder.set_ring(self.ring, self.state)
+            self._recorder.clear_sides()
 
     def _new_recorder(self):
         native = ops.native_module()
@@ -209,7 +322,49 @@ class FrameRing:
                                    lambda xs: ring_ref().sanitize(xs), lambda needed: ring_ref()._grow(needed),
                                    _SEEN_LIMIT)
         native_recorder.set_fast_path(ONE_IN_ONE_OUT_LABELS, ONE_IN_ONE_OUT_KINDS, "forward")
+        native_recorder.set_side_factory(lambda key: ring_ref()._add_side(key))
         return native_recorder
+
+    @outside_inference_mode
+    def _add_side(self, key):
+        """A ring and state for another device (`key`: a torch.device, or a test's stand-in key,
+        kept on the main device); returns them. The recorder's slot for it is len(self.sides)."""
+        device = key if isinstance(key, torch.device) else self.device
+        ring, state = ops.new_ring(self.size, device)
+        self.sides.append(_Side(key, device, ring, state))
+        return ring, state
+
+    def set_route(self, route):
+        """Tests only: treat the tensors `route(x)` names (a hashable key, None for none) as if on
+        another device, to exercise the multi-device bookkeeping on one device."""
+        self.route = route
+        self._recorder.set_router(route)
+
+    @outside_inference_mode
+    def merge_devices(self):
+        """Fold the side rings into the main ring and state (NOTE: [one ring per device]): the rows
+        each side device wrote since the last merge (one copy per device) and its trip and
+        headroom flags, the earliest position winning. No host read; every check calls it first."""
+        if not self.sides:
+            return
+        routed = self._recorder.take_routed()
+        oldest = self.pos - self.size  # earlier positions are no longer in the ring
+        rows = {}
+        for k in range(0, len(routed), 3):
+            slot, start, count = routed[k:k + 3]
+            rows.setdefault(slot, []).extend(p % self.size for p in range(max(start, oldest), start + count))
+        for slot, side in enumerate(self.sides, 1):
+            if rows.get(slot):
+                index = _to_device(rows[slot], side.device)
+                records = side.ring.index_select(0, index)
+                if side.device != self.device:
+                    index = _to_device(rows[slot], self.device)
+                    records = records.to(self.device, non_blocking=self.device.type == "cuda")
+                self.ring.index_copy_(0, index, records)
+            state = side.state
+            if side.device != self.device:
+                state = state.to(self.device, non_blocking=self.device.type == "cuda")
+            _combine_state(self.state, state)
 
     def move_to(self, device):
         """Start over on another device (the model moved after watch())."""
@@ -279,6 +434,13 @@ class FrameRing:
         self.ring = ring
         self.size = new_size
         self._recorder.set_ring(self.ring, self.state)
+        for slot, side in enumerate(self.sides, 1):  # the same rows on every device
+            grown = torch.zeros((new_size, old.shape[1]), dtype=old.dtype, device=side.device)
+            if self.pos > lo:
+                index = torch.arange(lo, self.pos, device=side.device)
+                grown.index_copy_(0, index % new_size, side.ring.index_select(0, index % size))
+            side.ring = grown
+            self._recorder.set_side(slot, grown, side.state)
 
     def drop_frames(self, cut):
         """Forget the oldest `cut` frames."""
@@ -322,6 +484,7 @@ class FrameRing:
 
     def host_copy(self):
         """The ring on the host (one device->host copy; only after a trip, a trace or a headroom hit)."""
+        self.merge_devices()
         return self.ring.cpu().numpy()
 
     @outside_inference_mode
@@ -330,6 +493,9 @@ class FrameRing:
         self.forget_seen()
         ops.reset_state(self.state)
         self.state_buf[WEIGHT_HEADROOM].fill_(0)
+        self._recorder.take_routed()
+        for side in self.sides:
+            ops.reset_state(side.state)
         self.drop_frames(len(self.frames))
         self.floor = 0
         self.last_check_frames = 0
@@ -337,6 +503,7 @@ class FrameRing:
     @outside_inference_mode
     def clear_headroom(self):
         """Re-arm the headroom flags after they were handled."""
-        self.state[schema.HEADROOM_HIT].fill_(0)
-        self.state[schema.FIRST_HEADROOM_POSITION].fill_(-1)
+        for state in [self.state] + [side.state for side in self.sides]:
+            state[schema.HEADROOM_HIT].fill_(0)
+            state[schema.FIRST_HEADROOM_POSITION].fill_(-1)
         self.state_buf[WEIGHT_HEADROOM].fill_(0)

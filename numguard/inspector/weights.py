@@ -17,6 +17,12 @@ LOW_PRECISION_MAX = {getattr(torch, name): float(schema.DTYPES[name].max)
                      for name in schema.LOW_PRECISION_DTYPES if hasattr(torch, name)}
 
 
+def stats_device(p):
+    """The device whose launch computes `p`'s stats: its own. (Tests route some CPU parameters to a
+    stand-in key here to exercise the multi-device path on a machine without a second device.)"""
+    return p.device
+
+
 def _watchable(p):
     return p.device.type != "meta" and not p.is_complex() and p.layout == torch.strided
 
@@ -46,6 +52,7 @@ class WeightTable:
         self.layout = None
         self._cache = None           # (parameter ids, layout, positions of the watched ones, dtypes, any DTensor)
         self.limits_inv = None       # 1 / dtype max per row (0 for wide dtypes), for headroom
+        self._groups = None          # (device per row, rows per device, inverse order on the table's device)
         walk = getattr(ops.native_module(), "ParameterWalk", None)
         self._walk = walk() if walk is not None else None  # the steady-state batch (csrc/weights.cpp)
 
@@ -118,8 +125,8 @@ class WeightTable:
             layout = self.layout
         with torch.no_grad():
             tensors = [local_shard(p) for p in unique] if self._cache is None or self._cache[4] else unique
-            stats = ops.multi_tensor_stats(tensors, checked=True) if layout["one_device"] else torch.cat(
-                [ops.tensor_stats(p).to(ring.device).view(1, -1) for p in tensors])
+            stats = ops.multi_tensor_stats(tensors, checked=True) if layout["one_device"] else \
+                self._stats_by_device(tensors, layout["flags"].device)
         if self._walk is not None:
             cache = self._cache
             if cache is not None and layout["one_device"] and not cache[4] and unique[0].device == ring.device:
@@ -129,12 +136,32 @@ class WeightTable:
                 self._walk.forget()
         return stats
 
+    def _stats_by_device(self, tensors, dev):
+        """[W, 8] on `dev` for parameters spread over devices: one multi-tensor launch per device,
+        on that device, then one copy of each device's small stats block to `dev` (never a copy
+        of a weight, nor one copy per weight)."""
+        keys = tuple(map(stats_device, tensors))
+        groups = self._groups
+        if groups is None or groups[0] != keys:
+            rows = {}
+            for i, key in enumerate(keys):
+                rows.setdefault(key, []).append(i)
+            order = [i for idx in rows.values() for i in idx]
+            inverse = [0] * len(order)
+            for j, i in enumerate(order):
+                inverse[i] = j
+            groups = self._groups = (keys, list(rows.values()), torch.tensor(inverse, dtype=torch.int64).to(dev))
+        # A copy to the CPU stays blocking: a non-blocking one could be read before it lands.
+        blocks = [ops.multi_tensor_stats([tensors[i] for i in idx], checked=True).to(
+            dev, non_blocking=dev.type == "cuda") for idx in groups[1]]
+        return torch.cat(blocks).index_select(0, groups[2])
+
     def _build_layout(self):
         params = self._current_params()
         unique = _unique_params(params)
         index = {id(p): i for i, p in enumerate(unique)}
         wi, mi = [], []
-        one_device = all(p.device == unique[0].device for p in unique)
+        one_device = all(stats_device(p) == stats_device(unique[0]) for p in unique)
         owners_with = []
         for owner in self.owners:
             owner.flag = None
@@ -188,6 +215,7 @@ class WeightTable:
         """Drop every table and the cached layout (the model moved to another device)."""
         self.tables.clear()
         self._cache = None
+        self._groups = None
         if self._walk is not None:
             self._walk.forget()
 
