@@ -8,6 +8,8 @@
 #include <torch/extension.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/SmallVector.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -51,7 +53,7 @@ struct FrameMeta {
   py::tuple dtypes;
   py::tuple shapes;
 
-  bool matches(const std::vector<const at::Tensor*>& xs) const {
+  bool matches(c10::ArrayRef<const at::Tensor*> xs) const {
     if (xs.size() != types.size()) return false;
     size_t k = 0;
     for (size_t i = 0; i < xs.size(); ++i) {
@@ -68,7 +70,7 @@ struct FrameMeta {
     return k == sizes.size();
   }
 
-  void remember(const std::vector<const at::Tensor*>& xs) {
+  void remember(c10::ArrayRef<const at::Tensor*> xs) {
     types.clear();
     sizes.clear();
     for (const at::Tensor* x : xs) {
@@ -96,6 +98,13 @@ py::tuple shape_of(const at::Tensor& x) {
   }
   return out;
 }
+
+// What recording a frame's tensors gives the Frame (see FrameRecorder::record).
+struct Recorded {
+  py::tuple dtypes, shapes, positions;
+  int64_t n = 0;   // records written
+  int64_t lo = 0;  // lowest position referred to
+};
 
 class FrameRecorder {
  public:
@@ -152,10 +161,10 @@ class FrameRecorder {
     }
     const double headroom = owner.attr(kHeadroom).cast<double>();
     const int64_t start = pos;
-    py::tuple got = record(xs, flag, start, headroom, window_lo, PyList_GET_SIZE(frames_.ptr()) > 0, owner,
-                           !state_override_.defined());
-    const int64_t n = got[3].cast<int64_t>();
-    const int64_t lo = got[4].cast<int64_t>();
+    Recorded got = record_tensors(xs, flag, start, headroom, window_lo, PyList_GET_SIZE(frames_.ptr()) > 0, owner,
+                                  !state_override_.defined());
+    const int64_t n = got.n;
+    const int64_t lo = got.lo;
     pos = start + n;
     py::object batch_start = py::none();
     if (hf) {
@@ -165,13 +174,14 @@ class FrameRecorder {
     }
     // After record: a growth may have dropped frames and moved window_lo.
     if (PyList_GET_SIZE(frames_.ptr()) == 0 || lo < window_lo) window_lo = lo;
-    PyObject* items[] = {owner.ptr(), py::int_(batch).release().ptr(), py::int_(start).release().ptr(),
-                         labels.ptr(), kinds.ptr(), got[0].ptr(), got[1].ptr(), section.ptr(),
+    py::int_ start_obj(start);  // one int object for the Frame and frame_starts
+    PyObject* items[] = {owner.ptr(), py::int_(batch).release().ptr(), start_obj.ptr(),
+                         labels.ptr(), kinds.ptr(), got.dtypes.ptr(), got.shapes.ptr(), section.ptr(),
                          batch_start.ptr(), py::int_(n).release().ptr(), py::bool_(with_weights).release().ptr(),
-                         py::bool_(hf).release().ptr(), got[2].ptr(), py::int_(lo).release().ptr()};
+                         py::bool_(hf).release().ptr(), got.positions.ptr(), py::int_(lo).release().ptr()};
     constexpr Py_ssize_t kFields = sizeof(items) / sizeof(items[0]);
     // Owned references for the borrowed ones; the released ones are already owned.
-    for (Py_ssize_t i : {0, 3, 4, 5, 6, 7, 8, 12}) Py_INCREF(items[i]);
+    for (Py_ssize_t i : {0, 2, 3, 4, 5, 6, 7, 8, 12}) Py_INCREF(items[i]);
     auto* type = reinterpret_cast<PyTypeObject*>(frame_type_.ptr());
     PyObject* frame = type->tp_alloc(type, kFields);
     if (frame == nullptr) {
@@ -186,7 +196,7 @@ class FrameRecorder {
     PyObject_GC_UnTrack(frame);
     py::object owned = py::reinterpret_steal<py::object>(frame);
     frames_.append(owned);
-    frame_starts_.append(py::int_(start));
+    frame_starts_.append(start_obj);
   }
 
   // The steady-state module hook (numguard.inspector.hooks): one positional tensor in, one tensor
@@ -264,12 +274,18 @@ class FrameRecorder {
   // records written, lowest position referred to), the fields of the Frame the caller appends.
   py::tuple record(const py::list& xs, const py::object& flag, int64_t pos, double headroom, int64_t window_lo,
                    bool has_frames, const py::handle& owner = py::handle(), bool reuse = true) {
+    Recorded got = record_tensors(xs, flag, pos, headroom, window_lo, has_frames, owner, reuse);
+    return py::make_tuple(got.dtypes, got.shapes, got.positions, got.n, got.lo);
+  }
+
+  Recorded record_tensors(const py::list& xs, const py::object& flag, int64_t pos, double headroom,
+                          int64_t window_lo, bool has_frames, const py::handle& owner, bool reuse) {
     const size_t count = xs.size();
-    std::vector<const at::Tensor*> tensors(count);
-    std::vector<int64_t> at_positions;
-    at_positions.reserve(count + 1);
+    // Small vectors: a frame has a handful of tensors, and this runs once per module call.
+    c10::SmallVector<const at::Tensor*, 8> tensors(count);
+    c10::SmallVector<int64_t, 8> at_positions;
     std::vector<at::Tensor> fresh;
-    std::vector<size_t> fresh_index;  // index into xs of each fresh tensor
+    c10::SmallVector<size_t, 8> fresh_index;  // index into xs of each fresh tensor
     fresh.reserve(count + 1);
     int64_t lo = pos;
     bool clean = true;
@@ -347,11 +363,11 @@ class FrameRecorder {
       PyTuple_SET_ITEM(positions.ptr(), i, PyLong_FromLongLong(at_positions[i]));
     }
     PyObject_GC_UnTrack(positions.ptr());  // ints only (NOTE: [untracked frames])
-    return py::make_tuple(dtypes, shapes, positions, n, lo);
+    return Recorded{std::move(dtypes), std::move(shapes), std::move(positions), n, lo};
   }
 
   // The dtypes and shapes tuples of a frame: the owner's previous ones when they still hold.
-  void describe(const py::handle& owner, const std::vector<const at::Tensor*>& tensors, py::tuple* dtypes,
+  void describe(const py::handle& owner, c10::ArrayRef<const at::Tensor*> tensors, py::tuple* dtypes,
                 py::tuple* shapes) {
     FrameMeta* meta = nullptr;
     if (owner.ptr() != nullptr) {
@@ -469,7 +485,7 @@ class FrameRecorder {
     return false;
   }
 
-  std::vector<at::Tensor> sanitized(const py::list& xs, const std::vector<size_t>& index) {
+  std::vector<at::Tensor> sanitized(const py::list& xs, c10::ArrayRef<size_t> index) {
     py::list originals(index.size());
     for (size_t j = 0; j < index.size(); ++j) originals[j] = xs[index[j]];
     py::object out = sanitize_(originals);
