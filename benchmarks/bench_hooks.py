@@ -1,6 +1,7 @@
 """Step time and host syncs of watching every module of a model, side by side in one process.
 
-Conditions (interleaved round-robin, medians): no hooks / numguard.watch (sync check) / numguard
+Conditions (interleaved round-robin, medians): no hooks / an empty forward hook on every module
+(PyTorch's hook dispatch alone) / numguard.watch (sync check) / numguard
 check="async" / numguard check_every=10 / numguard backward=True (training only, when available)
 / numguard ops=True (training only) / numguard replay=True / Transformers' DebugUnderflowOverflow /
 torch.autograd.detect_anomaly. Models: a stack of 200 Linear(4, 4) (host cost per module call),
@@ -117,6 +118,22 @@ class Nothing:
         pass
 
 
+def _empty_hook(module, args, kwargs, output):
+    return None
+
+
+class EmptyHooks:
+    """A forward hook that does nothing on every module: what PyTorch's hook dispatch alone costs,
+    the floor of any hook-based watcher."""
+
+    def __init__(self, model):
+        self.handles = [m.register_forward_hook(_empty_hook, with_kwargs=True) for m in model.modules()]
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
 def have_backward():
     try:
         import numguard.backward  # noqa: F401
@@ -127,6 +144,7 @@ def have_backward():
 
 def conditions(training):
     out = [("no hooks", Nothing),
+           ("empty torch hooks", EmptyHooks),
            ("numguard", Watch),
            ("numguard async", lambda m: Watch(m, check="async")),
            ("numguard check_every=10", lambda m: Watch(m, check_every=10))]
