@@ -162,6 +162,7 @@ class ModuleHooks:
                     return None
             return slow(owner, module, args, kwargs, output)
 
+        hook.__wrapped__ = functools.partial(slow, owner)  # says whose hook it is, like the other hooks
         return hook
 
     def _module_hook(self, owner, module, args, kwargs, output):
