@@ -249,3 +249,25 @@ def test_transformers_gpt2_compiled_training_names_the_module_whose_backward_wen
         assert all("logging.Logger" in reason for reason in counters["graph_break"]), dict(counters["graph_break"])
         results.append((info.value.module, info.value.labels, info.value.batch_number))
     assert results[1] == results[0] == ("transformer.h.1.mlp.act", ["grad_input[0]"], 2)
+
+
+def test_dynamic_shapes_record_gradients_without_recompile_per_size():
+    model, runner, inspector = prepare("compile-then-watch", report_to=None)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with inspector:
+        for n in (3, 5, 7):  # recompiled once, dynamic, on the second size
+            runner(torch.randn(n, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        graphs = counters["stats"]["unique_graphs"]
+        frames, _, _ = inspector._graph.logged_frames(2)
+        model.planted.factor.fill_(float("inf"))
+        with pytest.raises(numguard.NonFiniteError) as info:
+            runner(torch.randn(9, 8)).square().mean().backward()
+            opt.step()
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert info.value.module == "planted" and info.value.labels == ["grad_input[0]"]
+    gradients = [f for f in frames if f.section == "backward"]
+    assert [(f.owner.name, f.labels[0]) for f in gradients] == EAGER_GRADIENTS
+    assert gradients[0].shapes == [(-1, 4)]  # the batch dimension is dynamic in the graph
