@@ -318,8 +318,9 @@ def main():
 
 # -- compiled rows -----------------------------------------------------------------------------
 # A torch.compile'd (inductor, CPU) train step with every submodule recorded inside the graph
-# (numguard.watch(torch.compile(model))), against the same compiled step unwatched. Two copies of
-# the model with the same weights, each compiled once before timing; the steps are interleaved.
+# (numguard.watch(torch.compile(model))), with and without backward=True, against the same compiled
+# step unwatched. Copies of the model with the same weights, each compiled once before timing; the
+# steps are interleaved.
 
 def _compile_counts(counters):
     return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
@@ -375,10 +376,15 @@ def bench_compiled(name, reps, steps):
     # hooks). Guarding on hooks gives each copy its own graphs (the same guard cost in both rows);
     # the frames/step column shows the watched copy's frames are recorded in its graph.
     torch._dynamo.config.skip_nnmodule_hook_guards = False
-    for cname in ("compiled, no hooks", "compiled, numguard (frames in the graph)"):
+    for cname in ("compiled, no hooks", "compiled, numguard (frames in the graph)",
+                  "compiled, numguard backward=True"):
         model = copy.deepcopy(base)
         compiled = torch.compile(model, backend="inductor")
-        handle = numguard.watch(compiled, report_to=None) if "numguard" in cname else Nothing(compiled)
+        if "numguard" in cname:
+            # backward=True: the gradients of the modules inside the graph are recorded in its backward.
+            handle = numguard.watch(compiled, report_to=None, backward="backward=True" in cname)
+        else:
+            handle = Nothing(compiled)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         step = make_step(compiled, train_run, True, optimizer)
         counters.clear()

@@ -24,20 +24,29 @@ gradients right before the optimizer applies them.
   so covers the forward, the backward and the parameter gradients at once (forwards under
   ``no_grad``, e.g. evaluation, are still checked at their end).
 
-Only gradients computed while a watched forward ran are tapped; forwards under ``torch.compile``
-are not tapped (parameter gradients are still checked before every step).
+* Under ``torch.compile``: while dynamo traces a watched module, its forward pre-hook and hook put
+  the same taps into the graph as identity autograd Functions whose backward records the gradient
+  on the device (numguard.inspector.graph: same frames and labels, no graph break, no
+  recompilation, no host sync). A compiled model's wrapper (torch.compile's OptimizedModule) is
+  not tapped itself: the model it holds is, and its frames and parameter gradients carry the
+  model's own names, as in eager mode. Where the two modes differ (a tensor that no watched module
+  returned records only its first watched consumer's share of its gradient; outputs in containers
+  other than tuples, lists and dicts are not tapped; no headroom check), graph.py says so.
+
+Only gradients computed while a watched forward ran are tapped.
 """
 import threading
 import weakref
 
 import torch
 
+from .inspector import graph as _graph
 from .inspector.frames import local_shard
 
 __all__ = ["BackwardWatcher", "SCALER_SKIP_ACTIONS"]
 
 SCALER_SKIP_ACTIONS = ("count", "trip")
-_INPUT, _OUTPUT = 0, 1
+_INPUT, _OUTPUT = _graph._INPUT, _graph._OUTPUT
 _INPUT_LABELS = tuple(f"grad_input[{i}]" for i in range(16))
 
 # Watchers alive in this process, oldest first; the global optimizer hook and the GradScaler
@@ -72,25 +81,8 @@ class _GradTap:
         return None
 
     def label(self):
-        """(module name, class name, label) for this gradient: the innermost module that consumed
-        the tensor without returning it unchanged (its backward made this gradient), else the
-        first consumer, else the innermost module that returned it."""
-        entries = self.entries
-        chosen = None
-        if len(entries) > 1:
-            returned = {entry[1] for entry in entries if entry[0] == _OUTPUT}
-            for entry in entries:
-                if entry[0] == _INPUT and entry[1] not in returned:
-                    chosen = entry
-                    break
-        if chosen is None:
-            for entry in entries:
-                if entry[0] == _INPUT:
-                    chosen = entry
-                    break
-        if chosen is None:
-            chosen = entries[0]
-        return chosen[1], chosen[2], chosen[3]
+        """(module name, class name, label) for this gradient (graph.gradient_label)."""
+        return _graph.gradient_label(self.entries)
 
 
 def _tensors(value, prefix):
@@ -135,14 +127,24 @@ class BackwardWatcher:
         self._model_ref = weakref.ref(model)
         self._root_name = inspector.module_names.get(model, "")
         self._root_class = type(model).__name__
+        prefix = ""
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            # torch.compile's wrapper: its model's names and class, as the frames inside its graph
+            self._root_class = type(model._orig_mod).__name__
+            prefix = "_orig_mod."
         self._param_names = {}  # id(param) -> qualified name
         for name, param in model.named_parameters():
-            self._param_names.setdefault(id(param), name)
+            self._param_names.setdefault(id(param), name[len(prefix):] if name.startswith(prefix) else name)
         self._params_of = weakref.WeakKeyDictionary()  # optimizer -> (version, [(label, param)])
         self._handles = []
         for module, name in list(inspector.module_names.items()):
-            hook = self._make_forward_hook(name, type(module).__name__)
+            if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+                continue  # torch.compile's wrapper: the model it holds sees the same tensors
+            class_name = type(module).__name__
+            hook = self._make_forward_hook(name, class_name)
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+            self._handles.append(module.register_forward_pre_hook(
+                self._make_graph_pre_hook(name, class_name), with_kwargs=True))
         _register(self)
 
     # -- activation gradients ------------------------------------------------------------------
@@ -159,8 +161,14 @@ class BackwardWatcher:
             return found
 
         def forward_hook(module, args, kwargs, output):
-            if self.closed or not is_grad_enabled() or is_compiling():
+            if self.closed or not is_grad_enabled():
                 return None
+            if is_compiling():
+                # Traced into the graph: taps as autograd Functions (numguard.inspector.graph).
+                try:
+                    return _graph.tap_outputs_in_graph(self.inspector, name, class_name, args, kwargs, output)
+                except Exception:  # noqa: BLE001 - numguard's failure must not fail the compile
+                    return None
             try:
                 for i, value in enumerate(args):
                     if isinstance(value, Tensor):
@@ -181,6 +189,22 @@ class BackwardWatcher:
             return None
 
         return forward_hook
+
+    def _make_graph_pre_hook(self, name, class_name):
+        is_compiling = torch.compiler.is_compiling
+        is_grad_enabled = torch.is_grad_enabled
+
+        def graph_pre_hook(module, args, kwargs):
+            # Eager mode taps in the forward hook (a tensor hook sees the whole gradient); inside a
+            # graph an input must go through its tap before the module consumes it.
+            if self.closed or not is_compiling() or not is_grad_enabled():
+                return None
+            try:
+                return _graph.tap_inputs_in_graph(self.inspector, name, class_name, args, kwargs)
+            except Exception:  # noqa: BLE001 - numguard's failure must not fail the compile
+                return None
+
+        return graph_pre_hook
 
     def _tap_nested(self, value, prefix, kind, entry):
         for label, tensor in _tensors(value, prefix):
@@ -276,8 +300,10 @@ class BackwardWatcher:
         # The overflowing gradient records of this step are the scaler's business, not a trip. A
         # trip recorded before them (in the forward) still is one. Skips are rare and the scaler
         # has just waited for the device itself, so one read of the state costs nothing here.
-        if start is not None:
-            self.inspector.forget_trip_from(start, "before optimizer step (GradScaler skipped it)")
+        # Without an eager gradient in this step (a compiled model's are recorded in its graphs),
+        # the step started at the current position.
+        self.inspector.forget_trip_from(self.inspector.ring_position() if start is None else start,
+                                        "before optimizer step (GradScaler skipped it)")
 
     def takes_batch_end_check(self) -> bool:
         """Whether the inspector's batch-end check is left to the optimizer step (NOTE: [one read

@@ -358,7 +358,8 @@ class Inspector(ModuleHooks):
         tripped, first = self._ring.state[:2].tolist()
         if not tripped:
             return
-        if first < position or GraphRecorder.owns(first):  # compiled graphs record forward frames only
+        # A graph record is forgotten when it is a gradient's (the graphs' forward frames come first).
+        if first < position or (GraphRecorder.owns(first) and not self._graph.records_gradient_at(first)):
             self.check_now(where)
         else:
             self._ring.reset_after_trip()

@@ -13,6 +13,19 @@ flags, freeze on trip): the batch-end check's one read of the state covers them.
 start at ``schema.GRAPH_POSITION_BASE``, so a trip position says which ring holds the offender.
 Only then (after a trip) does the host read the cursor, the log and the graph ring, rebuild the
 frames and merge them with the eager ones (``report_view``).
+
+Gradients (``backward=True``): while dynamo traces a watched module's hooks, the tensors it receives
+and returns (those requiring grad) pass through :class:`GradientTap`, an identity
+``torch.autograd.Function`` whose backward records the incoming gradient with the same op, under a
+gradient slot registered at trace time (``_gradient_slot_for``). As in eager mode a tensor gets one
+tap however many modules see it (the tap's slot rides on the traced tensor as an attribute), and
+the modules that consumed or returned it are added to the slot's entries in the order eager mode's
+forward hooks see them, so the report names the same module and ``grad_input[i]``/``grad_output[i]``
+label (``gradient_label``). Differences from eager mode: a tensor that no watched module returned
+is tapped where the first watched module receives it, so its record is that module's share of the
+gradient (eager mode records the tensor's whole gradient); outputs inside containers other than
+tuples, lists and dicts (e.g. a ModelOutput) are not tapped; gradient records inside graphs skip
+the headroom check.
 """
 from __future__ import annotations
 
@@ -42,6 +55,9 @@ class Slot(NamedTuple):
     kinds: tuple
     dtypes: tuple
     n_records: int       # tensors, plus the module's weight flag
+    section: str = "forward"
+    entries: list = None  # gradient slots: (kind, module, class, label) of the modules that consumed
+                          # or returned the tapped tensor, in eager hook order (filled while tracing)
 
 
 _slots: list = []
@@ -65,6 +81,203 @@ def _slot_for(recorder, owner_name, labels, kinds, dtypes, with_flag):
         if graph is not None:
             graph.used = True
     return slot
+
+
+_INPUT, _OUTPUT = 0, 1   # gradient entry kinds: the module consumed / returned the tensor
+_TAP_ATTRIBUTE = "_numguard_graph_tap"   # the gradient slot of a tensor tapped in the graph being traced
+_gradient_fallback: dict = {}  # gradient slot -> the entry of the hook that tapped it (no entry added yet)
+
+
+def gradient_label(entries):
+    """(module name, class name, label) of a tapped tensor's gradient, from the (kind, module,
+    class, label) entries of the modules that saw it in forward hook order: the innermost module
+    that consumed the tensor without returning it unchanged (its backward made this gradient),
+    else the first consumer, else the innermost module that returned it."""
+    chosen = None
+    if len(entries) > 1:
+        returned = {entry[1] for entry in entries if entry[0] == _OUTPUT}
+        for entry in entries:
+            if entry[0] == _INPUT and entry[1] not in returned:
+                chosen = entry
+                break
+    if chosen is None:
+        for entry in entries:
+            if entry[0] == _INPUT:
+                chosen = entry
+                break
+    if chosen is None:
+        chosen = entries[0]
+    return chosen[1], chosen[2], chosen[3]
+
+
+@torch._dynamo.assume_constant_result
+def _gradient_slot_for(recorder, owner_name, class_name, kind, label, dtype):
+    """A new gradient slot (one per tap and trace: its entries depend on what consumes the tensor
+    later in the trace). Runs only while dynamo traces; -1 (not recorded) if anything fails."""
+    try:
+        slot = len(_slots)
+        _slots.append(Slot(recorder, owner_name, (label,), (_frames.TENSOR,), (dtype,), 1, "backward", []))
+        _gradient_fallback[slot] = (kind, owner_name, class_name, label)
+        graph = _recorders.get(recorder)
+        if graph is not None:
+            graph.used = True
+        return slot
+    except Exception:  # noqa: BLE001 - numguard's failure must not fail a compile
+        return -1
+
+
+@torch._dynamo.assume_constant_result
+def _add_gradient_entry(slot, kind, owner_name, class_name, label):
+    """At trace time: a module consumed (kind _INPUT) or returned (_OUTPUT) the tensor tapped
+    under `slot`. Returns the slot."""
+    try:
+        entries = _slots[slot].entries
+        entry = (kind, owner_name, class_name, label)
+        if entry not in entries:
+            entries.append(entry)
+    except Exception:  # noqa: BLE001 - labels are report detail, never worth failing a compile
+        pass
+    return slot
+
+
+@torch.library.custom_op("numguard::record_gradient_", mutates_args=("grad",))
+def _record_gradient(grad: torch.Tensor, recorder: str, slot: int) -> None:
+    """A gradient tap's record, run when the compiled backward runs.
+
+    NOTE: [gradient op] An op of its own, opaque to the graph, that finds its recorder's tensors
+    by name: were the ring, state, cursor and log inputs of the backward, dynamo would save them
+    in the forward, and autograd refuses a saved tensor that changed before the backward (the
+    forward's own records change them). The schema says it writes `grad` (it does not) so that the
+    compiled backward keeps the call: an op without outputs or writes would be dropped as dead."""
+    graph = _recorders.get(recorder)
+    if graph is None or graph.closed:
+        return
+    try:
+        inspector = graph._inspector()
+        if inspector is not None and not inspector._closed:
+            _record_gradient_now(graph, inspector, grad, slot)
+    except Exception as exc:  # numguard's failure must not kill the job
+        graph.closed = True
+        import warnings
+
+        warnings.warn(f"numguard: gradients inside compiled graphs are not recorded any more after an internal "
+                      f"error ({type(exc).__name__}: {exc}); the parameter gradients are still checked",
+                      RuntimeWarning, stacklevel=2)
+
+
+def _record_gradient_now(graph, inspector, grad, slot):
+    ring = graph.ring
+    ops.record_at_cursor_(ring, inspector._ring.state, graph.cursor, graph.log, [_recordable(grad, ring.device)],
+                          slot, 0.0)
+
+
+@_record_gradient.register_fake
+def _record_gradient_fake(grad, recorder, slot):
+    return None
+
+
+class GradientTap(torch.autograd.Function):
+    """Identity in the forward; the backward records the gradient (no host sync) under the
+    gradient slot given to the forward and passes it on unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, recorder, slot):
+        ctx.recorder = recorder
+        ctx.slot = slot
+        # A copy, not a view: a view made by a Function may not be changed in place afterwards
+        # (models do, e.g. Transformers' GPT-2), and autograd refuses it.
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.ops.numguard.record_gradient_(grad, ctx.recorder, ctx.slot)
+        return grad, None, None
+
+
+def _tap(inspector, graph, x, name, class_name, kind, label):
+    """x through a GradientTap with a new gradient slot (x itself when it needs no tap)."""
+    if x.layout != torch.strided or x.is_quantized or x.is_nested:
+        return x  # a strided gradient is what record_at_cursor_ takes
+    slot = _gradient_slot_for(graph.key, name, class_name, kind, label, x.dtype)
+    if slot < 0:
+        return x
+    xs = [x]
+    comptime(_note_shapes)
+    tapped = GradientTap.apply(x, graph.key, slot)
+    setattr(tapped, _TAP_ATTRIBUTE, slot)
+    return tapped
+
+
+def _map_tensors(value, prefix, fn):
+    """value with fn(label, tensor) applied to its tensors (tuples, lists and dicts followed, any
+    depth; other containers kept as they are)."""
+    if isinstance(value, torch.Tensor):
+        return fn(prefix, value)
+    if type(value) in (tuple, list):
+        return type(value)(_map_tensors(item, f"{prefix}[{i}]", fn) for i, item in enumerate(value))
+    if type(value) is dict:
+        return {key: _map_tensors(item, f"{prefix}[{key}]", fn) for key, item in value.items()}
+    return value
+
+
+def tap_inputs_in_graph(inspector, name, class_name, args, kwargs):
+    """A watched module's forward pre-hook while dynamo traces it (backward=True): the inputs that
+    require grad and carry no tap yet (no watched module returned them) go through a tap. Returns
+    the (args, kwargs) the module receives."""
+    graph = inspector._graph
+    if graph is None:
+        return None
+
+    tapped = []
+
+    def tap_input(label, x):
+        if not x.requires_grad or x.is_leaf or getattr(x, _TAP_ATTRIBUTE, None) is not None:
+            return x
+        tapped.append(label)
+        return _tap(inspector, graph, x, name, class_name, _INPUT, label)
+
+    args, kwargs = _map_tensors(args, "grad_input", tap_input), _map_tensors(kwargs, "grad_input", tap_input)
+    return (args, kwargs) if tapped else None
+
+
+def tap_outputs_in_graph(inspector, name, class_name, args, kwargs, output):
+    """A watched module's forward hook while dynamo traces it (backward=True): names the module as
+    a consumer of its tapped inputs and taps its outputs (a tensor it returned unchanged keeps its
+    tap and gets this module as a returner). Returns the output the caller receives."""
+    graph = inspector._graph
+    if graph is None:
+        return None
+
+    def consumed(label, x):
+        slot = getattr(x, _TAP_ATTRIBUTE, None)
+        if slot is not None:
+            _add_gradient_entry(slot, _INPUT, name, class_name, label)
+        return x
+
+    tapped = []
+
+    def returned(label, x):
+        if not x.requires_grad:
+            return x
+        slot = getattr(x, _TAP_ATTRIBUTE, None)
+        if slot is None:
+            x = _tap(inspector, graph, x, name, class_name, _OUTPUT, label)
+            slot = getattr(x, _TAP_ATTRIBUTE, None)
+            if slot is None:
+                return x
+            tapped.append(slot)
+        _add_gradient_entry(slot, _OUTPUT, name, class_name, label)
+        return x
+
+    _map_tensors(args, "grad_input", consumed)
+    _map_tensors(kwargs, "grad_input", consumed)
+    if isinstance(output, torch.Tensor):
+        output = returned("grad_output[0]", output)
+    else:
+        output = _map_tensors(output, "grad_output", returned)
+    # None when nothing new was tapped: the output stays the module's own (a hook that dynamo
+    # traces as a frame of its own then makes no graph).
+    return output if tapped else None
 
 
 def _note_shapes(ctx):
@@ -131,6 +344,8 @@ class GraphRecorder:
         self.key = f"graph{next(_keys)}"  # a string: dynamo keeps it a constant under dynamic shapes
         _recorders[self.key] = self
         self.used = False          # a graph recording into it was traced
+        self.closed = False        # its gradient op stopped after an internal error
+        self._gradient_owners = {}  # (name, class) -> Owner of gradient frames in reports
         self.records = records
         self.log_rows = log_rows
         self._allocate(device)
@@ -170,6 +385,20 @@ class GraphRecorder:
         recorded.update(f.owner.name for f in inspector._ring.frames)
         return recorded <= own
 
+    def records_gradient_at(self, position):
+        """Whether the graph record at `position` is a gradient's (host reads of the cursor and the
+        log: for the rare GradScaler skip, whose overflowing gradients are no trip)."""
+        if not self.owns(position):
+            return False
+        calls = int(self.cursor[schema.CURSOR_CALLS].item())
+        log = self.log.cpu().tolist()
+        for call in range(calls - 1, max(-1, calls - self.log_rows - 1), -1):
+            slot_id, start, _ = log[call % self.log_rows]
+            if start <= position and 0 <= slot_id < len(_slots):
+                slot = _slots[slot_id]
+                return position < start + slot.n_records and slot.section == "backward"
+        return False
+
     @staticmethod
     def owns(position):
         """Whether a trip or headroom position is a graph record's."""
@@ -204,11 +433,28 @@ class GraphRecorder:
             if slot.owner_name not in owners:
                 continue
             n = len(slot.dtypes)
+            shapes = list(_slot_shapes.get(slot_id, ((),) * n))
+            positions = [start + i for i in range(n)]
+            if slot.section != "forward":
+                name, class_name, label = gradient_label(slot.entries or [_gradient_fallback[slot_id]])
+                frames.append(_frames.Frame(self._gradient_owner(owners, name, class_name), batch, start, [label],
+                                            list(slot.kinds), list(slot.dtypes), shapes, slot.section, None,
+                                            slot.n_records, False, False, positions, start))
+                continue
             frames.append(_frames.Frame(self._owner(owners, slot.owner_name), batch, start, list(slot.labels),
-                                        list(slot.kinds), list(slot.dtypes), list(_slot_shapes.get(slot_id, ((),) * n)),
-                                        "forward", None, slot.n_records, True, True,
-                                        [start + i for i in range(n)], start))
+                                        list(slot.kinds), list(slot.dtypes), shapes,
+                                        "forward", None, slot.n_records, True, True, positions, start))
         return frames, host, end
+
+    def _gradient_owner(self, owners, name, class_name):
+        """The owner of a gradient frame as eager mode's record_frame makes it: the module's name
+        (without torch.compile's wrapper prefix) and class, no weights, not a root frame."""
+        shown = self._owner(owners, name).name if name in owners else name
+        key = (shown, class_name)
+        owner = self._gradient_owners.get(key)
+        if owner is None:
+            owner = self._gradient_owners[key] = _frames.Owner(-1, shown, class_name)
+        return owner
 
     def report_view(self, ring, host_ring):
         """The frames a report of a graph trip reads (eager and graph frames in call order) and
@@ -254,6 +500,8 @@ class ReportView:
     forward frame, which returns after the graph ran, and after the batch's other frames."""
 
     def __init__(self, ring, graph_frames):
+        gradient_frames = [f for f in graph_frames if f.section != "forward"]
+        graph_frames = [f for f in graph_frames if f.section == "forward"]
         merged = []
         floor = None
         g = 0
@@ -274,6 +522,10 @@ class ReportView:
         if floor is None:  # the floor is past every eager frame (a traced batch ended last)
             floor = len(merged)
         merged.extend(graph_frames[g:])
+        if gradient_frames:
+            at_floor = merged[floor] if floor < len(merged) else None
+            merged = _place_gradients(merged, gradient_frames)
+            floor = len(merged) if at_floor is None else next(i for i, f in enumerate(merged) if f is at_floor)
         self.frames = _move_batch_starts(merged, ring.frames)
         self.floor = floor
 
@@ -283,6 +535,25 @@ class ReportView:
             if f.start <= trip_pos < f.start + f.n_records:
                 return i
         return None
+
+
+def _is_parameter_gradients(frame):
+    return frame.section == "backward" and bool(frame.labels) and frame.labels[-1].endswith(".grad")
+
+
+def _place_gradients(frames, gradient_frames):
+    """A batch's gradient frames recorded in graphs go after its forward frames and before the
+    parameter gradients recorded eagerly at the optimizer step (which runs after the backward)."""
+    out = []
+    g = 0
+    for f in frames:
+        while g < len(gradient_frames) and (gradient_frames[g].batch < f.batch or (
+                gradient_frames[g].batch == f.batch and _is_parameter_gradients(f))):
+            out.append(gradient_frames[g])
+            g += 1
+        out.append(f)
+    out.extend(gradient_frames[g:])
+    return out
 
 
 def _move_batch_starts(frames, eager_frames):
