@@ -14,7 +14,7 @@ import torch
 
 from .. import schema
 from ..errors import InspectorWarning
-from .ring import outside_inference_mode
+from .ring import host_to_device, outside_inference_mode
 
 
 class CheckStatus(NamedTuple):
@@ -260,9 +260,7 @@ def batch_numbers(ring) -> torch.Tensor:
     rows_t = torch.tensor(rows, dtype=torch.int64)
     inv_t = torch.tensor(inv, dtype=torch.float64)
     grad_t = torch.tensor(grad, dtype=torch.bool)
-    if device.type != "cpu":
-        rows_t, inv_t, grad_t = (t.pin_memory().to(device, non_blocking=True)
-                                 for t in (rows_t, inv_t, grad_t))
+    rows_t, inv_t, grad_t = (host_to_device(t, device) for t in (rows_t, inv_t, grad_t))
     recs = ring.ring.index_select(0, rows_t)
     headroom = recs[:, schema.ABS_MAX] * inv_t
     zero = headroom.new_zeros(())

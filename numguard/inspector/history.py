@@ -24,7 +24,7 @@ import torch
 
 from .. import ops, schema
 from .frames import ONE_IN_ONE_OUT_LABELS, TENSOR
-from .ring import outside_inference_mode
+from .ring import host_to_device, outside_inference_mode
 
 WINDOW = 64
 FIELDS = ("out_abs_max", "in_abs_max", "min_nonzero", "grad_abs_max", "grad_min_nonzero", "grad_subnormal_share")
@@ -83,8 +83,8 @@ class ModuleHistory:
         if not n:
             return
         device = table.device
-        index_t = _to_device(index_t, device)
-        mult_t = _to_device(mult_t, device)
+        index_t = host_to_device(index_t, device)
+        mult_t = host_to_device(mult_t, device)
         values = ring.ring.reshape(-1).index_select(0, index_t[:n]).mul_(mult_t)
         # MIN_NONZERO is +inf when a tensor has no non-zero value: -inf after negation, an empty cell.
         table.view(-1).scatter_reduce_(0, index_t[n:], values, "amax")
@@ -191,14 +191,6 @@ class ModuleHistory:
                 entry[field] = [None if (v == _EMPTY or not math.isfinite(v)) else sign * v for v in column]
             modules.append(entry)
         return {"window": self.window, "batches": [b for b, _ in order], "modules": modules}
-
-
-def _to_device(host, device):
-    """A CPU tensor on `device` (the fold's index lists)."""
-    if device.type == "cuda":
-        # From pinned memory without waiting: the copy is ordered before the ops that read it.
-        return host.pin_memory().to(device, non_blocking=True)
-    return host if device.type == "cpu" else host.to(device)
 
 
 _native_fold = getattr(ops.native_module(), "fold_lines", None)

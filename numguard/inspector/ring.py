@@ -50,12 +50,17 @@ def _combine_state(into, other):
     flags.copy_(torch.maximum(flags, other_flags))
 
 
-def _to_device(values, device):
-    """A host int64 list on `device` without blocking the host (pinned source for CUDA)."""
-    t = torch.tensor(values, dtype=torch.int64)
+def host_to_device(host, device):
+    """A CPU tensor of numguard's own bookkeeping (index lists) on `device`, without blocking the
+    host: from pinned memory for CUDA, the copy ordered before the ops that read it."""
     if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def _to_device(values, device):
+    """A host int64 list on `device` (host_to_device)."""
+    return host_to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
 def device_index(device):
