@@ -10,7 +10,10 @@ Launch 1 (plain process group), in one process per rank, conditions interleaved 
   - `accelerate.utils.operations.reduce` / `.gather` with `PartialState().debug` off and on
     (ACCELERATE_DEBUG_MODE is read once into `PartialState().debug`; the benchmark sets the
     variable and refreshes that field the same way; added = on - off);
-  - `numguard.distributed.check_shapes` alone.
+  - `numguard.distributed.check_shapes` alone;
+  - `accelerate.utils.operations.gather` of a dict of DICT_KEYS tensors with the guard passing
+    calls through (`guard.active = False`) and checking (added per tensor vs one checked
+    all_gather's added latency).
 Launch 2: the raw collectives under TORCH_DISTRIBUTED_DEBUG=DETAIL (it wraps the process group at
 creation, so it needs its own launch; added = DETAIL launch - plain launch, across launches).
 Launch 3 (cross-rank numerics, `--only cross-rank` runs just this one): the 14M GPT-2 of
@@ -38,6 +41,7 @@ import sys
 import tempfile
 import time
 
+DICT_KEYS = 4
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -124,6 +128,18 @@ def _worker(mode: str, out: str, iters: int, reps: int, numel: int) -> None:
                 fn(x)
             return call
 
+        # a batch-like dict of DICT_KEYS tensors: Accelerate gathers it one tensor at a time
+        batch = {f"k{i}": torch.randn(numel) for i in range(DICT_KEYS)}
+
+        def unguarded(fn):
+            def call():
+                guard.active = False  # the wrappers pass calls straight through
+                try:
+                    fn()
+                finally:
+                    guard.active = True
+            return call
+
         calls.update({
             "numguard all_reduce": lambda: checked_all_reduce(x),
             "numguard all_gather": lambda: checked_all_gather(outs, x),
@@ -135,6 +151,8 @@ def _worker(mode: str, out: str, iters: int, reps: int, numel: int) -> None:
             "accelerate reduce (debug on)": accelerate(acc_ops.reduce, True),
             "accelerate gather (debug off)": accelerate(acc_ops.gather, False),
             "accelerate gather (debug on)": accelerate(acc_ops.gather, True),
+            "accelerate gather dict (unguarded)": unguarded(lambda: acc_ops.gather(batch)),
+            "accelerate gather dict (numguard)": lambda: acc_ops.gather(batch),
         })
     names = list(calls)
     samples = {name: [] for name in names}
@@ -337,6 +355,19 @@ def main() -> None:
                   f"{r['numguard_over_detail']:9.2f}")
     rows = tables["median_us"]
     m = plain["median_us"]
+    # Accelerate's gather of a dict: one checked all_gather per tensor; numguard's check of the
+    # dict's structure rides on the first tensor's check (no collective of its own)
+    dict_raw = m["accelerate gather dict (unguarded)"]
+    dict_added = m["accelerate gather dict (numguard)"] - dict_raw
+    per_check = m["numguard all_gather"] - m["raw all_gather"]
+    dict_row = {"keys": DICT_KEYS, "unguarded_us": dict_raw, "numguard_added_us": dict_added,
+                "added_per_tensor_us": dict_added / DICT_KEYS,
+                "added_per_tensor_over_one_check": dict_added / DICT_KEYS / per_check
+                if per_check > 0 else float("nan")}
+    print(f"\naccelerate gather of a dict of {DICT_KEYS} fp32[{args.numel}] (median): unguarded "
+          f"{dict_raw:.1f} us, +numguard {dict_added:.1f} us = {dict_row['added_per_tensor_us']:.1f} "
+          f"us per tensor = {dict_row['added_per_tensor_over_one_check']:.2f}x one checked "
+          "all_gather's added latency")
     print("\nmedian per call (us): " + ", ".join(f"{k} {v:.1f}" for k, v in m.items()))
     print("+ng(gather) = numguard if every check all-gathered its 2 KiB records instead of one "
           "all_reduce(MAX) of 2 int64; +DETAIL compares two launches, the rest one process")
@@ -346,7 +377,8 @@ def main() -> None:
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     path = os.path.join(HERE, "results", "bench_distributed.json")
     with open(path, "w") as f:
-        json.dump({"rows": rows, "rows_fastest": tables["min_us"], "plain": plain,
+        json.dump({"rows": rows, "rows_fastest": tables["min_us"], "dict_gather": dict_row,
+                   "plain": plain,
                    "detail": detail, "numel": args.numel,
                    "iters": args.iters, "reps": args.reps}, f, indent=1)
     print(f"wrote {path}")

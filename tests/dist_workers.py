@@ -217,6 +217,20 @@ def scenario_shapes(rank, world):
     res["op_differs"] = _catch(lambda: ngd.check_shapes(
         torch.zeros(3), op="torch.distributed.all_reduce" if rank == 0 else
         "torch.distributed.broadcast"))
+    # structure: dict keys (and their order), nested dicts, list lengths, leaf types
+    res["keys_differ"] = _catch(lambda: ngd.check_shapes(
+        {"a": torch.zeros(2), ("b" if rank == 0 else "c"): torch.zeros(2)}, op="keys"))
+    ab = {"a": torch.zeros(2), "b": torch.zeros(2)}
+    reordered = ab if rank == 0 else {"b": ab["b"], "a": ab["a"]}
+    res["key_order"] = _catch(lambda: ngd.check_shapes(reordered, op="keys"))
+    res["key_order_off"] = _catch(lambda: ngd.check_shapes(reordered, op="keys", key_order=False))
+    res["nested_keys"] = _catch(lambda: ngd.check_shapes(
+        {"out": {"logits": torch.zeros(2), ("loss" if rank == 0 else "aux"): torch.zeros(())}},
+        op="keys"))
+    res["list_length"] = _catch(lambda: ngd.check_shapes(
+        {"xs": [torch.zeros(2)] * (2 + rank)}, op="lists"))
+    res["tensor_vs_scalar"] = _catch(lambda: ngd.check_shapes(
+        {"x": torch.zeros(2) if rank == 0 else 2.0}, op="leaves"))
     many = [torch.zeros(3, 4) for _ in range(200)]  # more tokens than fit in the record
     res["large_match"] = _catch(lambda: ngd.check_shapes(many, op="many"))
     many_late = [torch.zeros(3, 4) for _ in range(199)] + [torch.zeros(3, 4 + rank)]

@@ -191,14 +191,45 @@ def test_nested_structures(shapes2):
     msg = _same_exception_everywhere(shapes2, "nested_leaf")
     assert "shape of input['pair'][1][0] is [2, 3] instead of [2, 2]" in msg
     assert "'step': int" in msg
-    for r in shapes2:
-        assert r["nested_structure"]["exc"] == "DistributedOperationException"
-        assert "structure (7 leaves instead of 6)" in r["nested_structure"]["msg"]
-    assert "'mask': [4, 7]" in shapes2[1]["nested_structure"]["msg"]
+    # an extra key on one rank: every rank names both ranks' keys (exchanged on the error path)
+    msg = _same_exception_everywhere(shapes2, "nested_structure")
+    assert ("  - Process 1: structure (7 leaves instead of 6: keys of input are ['ids', 'extra', "
+            "'pair', 'step', 'mask'] instead of ['ids', 'extra', 'pair', 'step'] (extra 'mask'))"
+            in msg)
+    assert "'step': int, 'mask': [4, 7]}" in msg
     msg = _same_exception_everywhere(shapes2, "tuple_vs_list")
     assert "Process 0: ([2],)" in msg and "Process 1: [[2]]" in msg
+    assert "  - Process 1: structure (input is a list of 1 instead of a tuple of 1)" in msg
     msg = _same_exception_everywhere(shapes2, "op_differs")
     assert "operation `torch.distributed.broadcast` instead of `torch.distributed.all_reduce`" in msg
+
+
+def test_dict_keys_are_named_for_every_rank(shapes2):
+    msg = _same_exception_everywhere(shapes2, "keys_differ")
+    assert "Input shapes:\n  - Process 0: {'a': [2], 'b': [2]}\n  - Process 1: {'a': [2], 'c': [2]}\n" in msg
+    assert ("  - Process 1: structure (keys of input are ['a', 'c'] instead of ['a', 'b'] "
+            "(missing 'b'; extra 'c'))") in msg
+    msg = _same_exception_everywhere(shapes2, "nested_keys")
+    assert ("keys of input['out'] are ['logits', 'aux'] instead of ['logits', 'loss'] "
+            "(missing 'loss'; extra 'aux')") in msg
+
+
+def test_dict_key_order_is_compared_unless_told_not_to(shapes2):
+    # values are paired by position (Accelerate's operations, loops over .items())
+    msg = _same_exception_everywhere(shapes2, "key_order")
+    assert ("  - Process 1: structure (keys of input are in another order: ['b', 'a'] instead "
+            "of ['a', 'b'] (Accelerate's operations and loops over .items() pair values by "
+            "position") in msg
+    assert all(r["key_order_off"] == {"ok": None} for r in shapes2)
+
+
+def test_list_lengths_and_leaf_types(shapes2):
+    msg = _same_exception_everywhere(shapes2, "list_length")
+    assert ("  - Process 1: structure (3 leaves instead of 2: input['xs'] is a list of 3 "
+            "instead of 2)") in msg
+    msg = _same_exception_everywhere(shapes2, "tensor_vs_scalar")
+    assert "  - Process 0: {'x': [2]}\n  - Process 1: {'x': float}" in msg
+    assert "  - Process 1: structure (input['x'] is float instead of a tensor)" in msg
 
 
 def test_structures_larger_than_the_record(shapes2):
@@ -210,7 +241,7 @@ def test_structures_larger_than_the_record(shapes2):
         assert f"  - Process {other}: <200 leaves: too large to show>" in exc["msg"]
         # each rank shows its own description in full
         assert f"  - Process {me}: [[3, 4], [3, 4]," in exc["msg"]
-        assert "shapes or structure (too many tensors to compare one by one)" in exc["msg"]
+        assert "  - Process 1: shapes (too many tensors to compare one by one)" in exc["msg"]
     assert all(r["after_mismatches"] == {"ok": None} for r in shapes2)
 
 

@@ -5,9 +5,10 @@ pickling.
 How ranks agree (NOTE: [agreement by all_reduce]): a healthy check is ONE all_reduce(MAX) of two
 int64 (the record's 62-bit hash and its negation) on numguard's own process group; the ranks
 all-gather the full records (one [world, 256] int64 all_gather into a preallocated buffer) only
-when the hashes differ, to write the message. Measured on gloo (benchmarks/bench_distributed.py),
-the all_reduce of 16 bytes costs less than all-gathering 2 KiB per rank on every check
-(``FAST_PATH = "all_gather"`` does that, for comparison).
+when the hashes differ, to write the message, and then the readable names of their dict keys
+(one [world, 512] int64 all_gather, NOTE: [key names]). Measured on gloo
+(benchmarks/bench_distributed.py), the all_reduce of 16 bytes costs less than all-gathering
+2 KiB per rank on every check (``FAST_PATH = "all_gather"`` does that, for comparison).
 
 NOTE: [check record layout]
 Each rank sends ``RECORD_WORDS`` (256) int64 words, rank-major in the gathered buffer:
@@ -21,18 +22,22 @@ word    meaning
 3       hash of the op name
 4       hash of ``details`` (other arguments that must agree, e.g. ``src=0``)
 5       number of leaves (tensors, None, scalars)
-6       number of description tokens (may exceed the space below: then only the hash compares)
+6       number of description tokens (may exceed the space below: then only the hashes compare)
 7       number of text bytes
-8-39    text: op name, NUL, call site, NUL, details (utf-8, truncated to 256 bytes). The call
+8       hash of the structure alone: container types, lengths, dict keys in order, leaf types
+        (tells a structure mismatch from a shape one when the tokens do not fit)
+9       the same with every dict's keys sorted (equal to the other rank's while word 8 differs:
+        the same keys in another order)
+10-39   text: op name, NUL, call site, NUL, details (utf-8, truncated to 240 bytes). The call
         site is shown, never compared: ranks may reach one collective from different lines,
         e.g. ``if rank == 0: broadcast(x) else: broadcast(y)``
 40-255  description tokens, as many as fit
 ====== =========================================================================================
 
 Description tokens, depth first: a tensor is ``1, dtype code, ndim, dims...``; a list ``2, n``;
-a tuple ``3, n``; a dict ``4, n`` then, per item in canonical order (NOTE: [dict order]), a
-63-bit hash of ``repr(key)`` and the value; None ``5``; any other leaf ``6, type code`` (scalar
-values are not compared).
+a tuple ``3, n``; a dict (any Mapping) ``4, n`` then, per item in insertion order (NOTE: [dict
+order]), a 63-bit hash of ``repr(key)`` and the value; None ``5``; any other leaf ``6, type code``
+(scalar values are not compared).
 The record is built with ``struct`` in a preallocated buffer; only on a mismatch are the tokens
 decoded to write the message.
 """
@@ -42,6 +47,7 @@ import hashlib
 import struct
 from array import array
 from collections import Counter
+from collections.abc import Mapping
 
 import torch
 import torch.distributed
@@ -50,11 +56,14 @@ from . import coordination as _co
 from .errors import DistributedOperationException
 
 RECORD_WORDS = 256
-_HEADER = 8
-_TEXT_WORDS = 32
+_HEADER = 10
+_TEXT_WORDS = 30
 _TOKENS_AT = _HEADER + _TEXT_WORDS
 TOKEN_CAPACITY = RECORD_WORDS - _TOKENS_AT
-_MAGIC = 0x4E47_5348_0001  # "NGSH", layout version 1
+_MAGIC = 0x4E47_5348_0002  # "NGSH", layout version 2 (dicts in insertion order, structure hashes)
+#: int64 words per rank of the key-name exchange (mismatch path only, NOTE: [key names])
+KEY_WORDS = 512
+_KEY_TEXT = 120  # bytes of one key's repr shown at most
 
 _TENSOR, _LIST, _TUPLE, _DICT, _NONE, _OTHER = 1, 2, 3, 4, 5, 6
 _HASH_MASK = (1 << 62) - 1
@@ -88,6 +97,8 @@ def _key_hash(key) -> int:
 
 
 def _dtype_code(dt) -> int:
+    if dt is None:
+        return 0  # a TensorSpec that lets the dtype differ
     code = _DTYPE_CODE.get(dt)
     if code is None:
         code = 1000 + (_hash64(str(dt).encode()) & 0xFFFF)
@@ -96,7 +107,8 @@ def _dtype_code(dt) -> int:
 
 class TensorSpec:
     """What a collective needs to agree on when a tensor's full shape may legitimately differ
-    between ranks: dtype and the dims that must match (``-1`` marks a dim that may differ)."""
+    between ranks: dtype (None: any) and the dims that must match (``-1`` marks a dim that may
+    differ)."""
 
     __slots__ = ("shape", "dtype")
 
@@ -106,19 +118,20 @@ class TensorSpec:
 
 
 # NOTE: [dict order]
-# Dicts are described in canonical order, sorted by repr(key): dicts equal as dicts compare equal
-# whatever order their keys were inserted in (ranks often build them differently: a comprehension
-# over a set, keys added as they become ready). Insertion order still matters to code that pairs
-# values by position: torch's object collectives pickle a dict in insertion order (the receiver
-# gets the sender's order), and `for k, v in d.items(): dist.all_reduce(v)` pairs the k-th value
-# of each rank. Such a loop must iterate in a canonical order (`for k in sorted(d)`); with
-# guard_collectives() each of its all_reduces is checked on its own, which catches it when the
-# paired values differ in shape or dtype.
-def _dict_items(obj: dict):
+# Dicts (any Mapping) are described in insertion order, and two ranks whose dicts hold the same
+# keys in different orders disagree: Accelerate's operations (recursively_apply walks
+# ``data.items()``) and any ``for k, v in d.items(): dist.all_reduce(v)`` pair the k-th value of
+# each rank, so rank 0's "a" would be gathered with rank 1's "b", a wrong result with no error
+# (Accelerate's own debug mode compares the dicts with ``==`` and lets that through). Code that
+# pairs values by key (torch's object collectives pickle whole dicts) can pass
+# ``check_shapes(..., key_order=False)``, which describes dicts sorted by repr(key).
+def _dict_items(obj, key_order: bool):
+    if key_order:
+        return obj.items()
     return sorted(obj.items(), key=lambda item: repr(item[0]))
 
 
-def _describe(obj, tokens: list, dtype_at: list) -> int:
+def _describe(obj, tokens: list, dtype_at: list, key_order: bool = True) -> int:
     """Append ``obj``'s tokens; return its number of leaves."""
     if isinstance(obj, (torch.Tensor, TensorSpec)):
         shape = obj.shape
@@ -133,31 +146,61 @@ def _describe(obj, tokens: list, dtype_at: list) -> int:
         tokens.append(len(obj))
         n = 0
         for item in obj:
-            n += _describe(item, tokens, dtype_at)
+            n += _describe(item, tokens, dtype_at, key_order)
         return n
-    if isinstance(obj, dict):
+    if isinstance(obj, (dict, Mapping)):
         tokens.append(_DICT)
         tokens.append(len(obj))
         n = 0
-        for key, item in _dict_items(obj):
+        for key, item in _dict_items(obj, key_order):
             tokens.append(_key_hash(key))
-            n += _describe(item, tokens, dtype_at)
+            n += _describe(item, tokens, dtype_at, key_order)
         return n
     if obj is None:
         tokens.append(_NONE)
         return 1
     tokens.append(_OTHER)
-    code = _SCALAR_CODE.get(type(obj))
-    if code is None:
-        code = 100 + (_hash64(type(obj).__qualname__.encode()) & 0xFFFF)
-    tokens.append(code)
+    tokens.append(_other_code(obj))
     return 1
 
 
-def description_hash(obj, op: str, details: str = "") -> int:
+def _other_code(obj) -> int:
+    code = _SCALAR_CODE.get(type(obj))
+    if code is None:
+        code = 100 + (_hash64(type(obj).__qualname__.encode()) & 0xFFFF)
+    return code
+
+
+def _structure(obj, tokens: list, sort_keys: bool) -> None:
+    """Append the tokens of ``obj``'s structure alone (words 8 and 9 of the record): containers,
+    lengths, dict keys, leaf kinds; no shapes, no dtypes."""
+    if isinstance(obj, (torch.Tensor, TensorSpec)):
+        tokens.append(_TENSOR)
+    elif isinstance(obj, (list, tuple)):
+        tokens.append(_TUPLE if isinstance(obj, tuple) else _LIST)
+        tokens.append(len(obj))
+        for item in obj:
+            _structure(item, tokens, sort_keys)
+    elif isinstance(obj, (dict, Mapping)):
+        tokens.append(_DICT)
+        tokens.append(len(obj))
+        items = [(_key_hash(k), v) for k, v in obj.items()]
+        if sort_keys:
+            items.sort(key=lambda item: item[0])
+        for kh, item in items:
+            tokens.append(kh)
+            _structure(item, tokens, sort_keys)
+    elif obj is None:
+        tokens.append(_NONE)
+    else:
+        tokens.append(_OTHER)
+        tokens.append(_other_code(obj))
+
+
+def description_hash(obj, op: str, details: str = "", key_order: bool = True) -> int:
     """The full-description hash of NOTE: [check record layout] (word 1), without the record."""
     tokens: list = []
-    _describe(obj, tokens, [])
+    _describe(obj, tokens, [], key_order)
     return _full_hash(array("q", tokens).tobytes(), op.encode("utf-8", "replace"),
                       details.encode("utf-8", "replace"))
 
@@ -166,12 +209,13 @@ def _full_hash(packed: bytes, op_b: bytes, det_b: bytes) -> int:
     return _hash64(packed + b"\0" + op_b + b"\0" + det_b)
 
 
-def encode(obj, op: str, site: str, buf: bytearray, details: str = "") -> int:
+def encode(obj, op: str, site: str, buf: bytearray, details: str = "",
+           key_order: bool = True) -> int:
     """Write ``obj``'s check record (see NOTE: [check record layout]) into ``buf``; return the
     full-description hash."""
     tokens: list = []
     dtype_at: list = []
-    n_leaves = _describe(obj, tokens, dtype_at)
+    n_leaves = _describe(obj, tokens, dtype_at, key_order)
     op_b = op.encode("utf-8", "replace")
     det_b = details.encode("utf-8", "replace")
     packed = array("q", tokens).tobytes()
@@ -182,9 +226,15 @@ def encode(obj, op: str, site: str, buf: bytearray, details: str = "") -> int:
         shape_hash = _full_hash(array("q", tokens).tobytes(), op_b, det_b)
     else:
         shape_hash = full
+    structure: list = []
+    _structure(obj, structure, sort_keys=not key_order)
+    sorted_structure: list = []
+    _structure(obj, sorted_structure, sort_keys=True)
     text = (op_b + b"\0" + site.encode("utf-8", "replace") + b"\0" + det_b)[: _TEXT_WORDS * 8]
-    struct.pack_into("<8q", buf, 0, _MAGIC, full, shape_hash, _hash64(op_b), _hash64(det_b),
-                     n_leaves, len(packed) // 8, len(text))
+    struct.pack_into("<10q", buf, 0, _MAGIC, full, shape_hash, _hash64(op_b), _hash64(det_b),
+                     n_leaves, len(packed) // 8, len(text),
+                     _hash64(array("q", structure).tobytes()),
+                     _hash64(array("q", sorted_structure).tobytes()))
     buf[_HEADER * 8: _HEADER * 8 + len(text)] = text
     room = TOKEN_CAPACITY * 8
     at = _TOKENS_AT * 8
@@ -199,8 +249,9 @@ class _Record:
     def __init__(self, out: bytearray, r: int):
         base = r * RECORD_WORDS * 8
         (self.magic, self.full, self.shape_hash, self.op_hash, self.details_hash, self.n_leaves,
-         self.n_tokens, n_text) = struct.unpack_from("<8q", out, base)
-        text = bytes(out[base + _HEADER * 8: base + _HEADER * 8 + max(0, min(n_text, 256))])
+         self.n_tokens, n_text, self.structure_hash,
+         self.sorted_structure_hash) = struct.unpack_from("<10q", out, base)
+        text = bytes(out[base + _HEADER * 8: base + _HEADER * 8 + max(0, min(n_text, _TEXT_WORDS * 8))])
         op, _, rest = text.partition(b"\0")
         site, _, details = rest.partition(b"\0")
         self.op = op.decode("utf-8", "replace")
@@ -212,103 +263,237 @@ class _Record:
         self.valid = self.magic == _MAGIC
 
 
-class _Leaf:
-    __slots__ = ("path", "kind", "dtype", "shape")
+class _Node:
+    """One value of a decoded description: ``kind`` is "tensor", "list", "tuple", "dict", "None"
+    or the name of a scalar type; containers hold ``items`` as (key hash or None, node)."""
 
-    def __init__(self, path, kind, dtype=None, shape=None):
-        self.path, self.kind, self.dtype, self.shape = path, kind, dtype, shape
+    __slots__ = ("kind", "dtype", "dims", "items")
 
-
-def _dtype_name(code: int) -> str:
-    dt = _CODE_DTYPE.get(code)
-    return str(dt) if dt is not None else f"<dtype #{code}>"
+    def __init__(self, kind, dtype=None, dims=None, items=None):
+        self.kind, self.dtype, self.dims, self.items = kind, dtype, dims, items
 
 
-def _parse(tokens, pos, path, leaves, keys):
-    """Parse one value at ``tokens[pos]``; return (new pos, shapes text, dtypes text, structure
-    text). Raises IndexError on a malformed or truncated token list."""
+_CONTAINER_KINDS = {_LIST: "list", _TUPLE: "tuple", _DICT: "dict"}
+_BRACKETS = {"list": "[]", "tuple": "()", "dict": "{}"}
+
+
+def _parse(tokens, pos):
+    """Parse one value at ``tokens[pos]``; return (node, new pos). Raises IndexError on a
+    malformed or truncated token list."""
     kind = tokens[pos]
     if kind == _TENSOR:
         code, ndim = tokens[pos + 1], tokens[pos + 2]
         dims = tokens[pos + 3: pos + 3 + ndim]
         if ndim < 0 or len(dims) != ndim:
             raise IndexError
-        leaves.append(_Leaf(path, "tensor", code, tuple(dims)))
-        return pos + 3 + ndim, _fmt_shape(dims), _dtype_name(code), "T"
-    if kind in (_LIST, _TUPLE, _DICT):
+        return _Node("tensor", code, tuple(dims)), pos + 3 + ndim
+    if kind in _CONTAINER_KINDS:
         n = tokens[pos + 1]
         if n < 0:
             raise IndexError
         pos += 2
-        shapes, dtypes, structs = [], [], []
-        for i in range(n):
+        items = []
+        for _ in range(n):
+            key = None
             if kind == _DICT:
-                kh = tokens[pos]
-                name = keys.get(kh, f"<key #{kh & 0xFFFFFF:06x}>")
-                pos, s, d, t = _parse(tokens, pos + 1, f"{path}[{name}]", leaves, keys)
-                s, d, t = f"{name}: {s}", f"{name}: {d}", f"{kh}:{t}"
-            else:
-                pos, s, d, t = _parse(tokens, pos, f"{path}[{i}]", leaves, keys)
-            shapes.append(s)
-            dtypes.append(d)
-            structs.append(t)
-        o, c = {_LIST: "[]", _TUPLE: "()", _DICT: "{}"}[kind]
-        tail = "," if kind == _TUPLE and n == 1 else ""
-        return (pos, o + ", ".join(shapes) + tail + c, o + ", ".join(dtypes) + tail + c,
-                o + ",".join(structs) + c)
+                key = tokens[pos]
+                pos += 1
+            child, pos = _parse(tokens, pos)
+            items.append((key, child))
+        return _Node(_CONTAINER_KINDS[kind], items=items), pos
     if kind == _NONE:
-        leaves.append(_Leaf(path, "None"))
-        return pos + 1, "None", "None", "N"
+        return _Node("None"), pos + 1
     if kind == _OTHER:
-        name = _CODE_SCALAR.get(tokens[pos + 1], "object")
-        leaves.append(_Leaf(path, name))
-        return pos + 2, name, name, name
+        return _Node(_CODE_SCALAR.get(tokens[pos + 1], "object")), pos + 2
     raise IndexError
 
 
+def _dtype_name(code: int) -> str:
+    if code == 0:
+        return "*"
+    dt = _CODE_DTYPE.get(code)
+    return str(dt) if dt is not None else f"<dtype #{code}>"
+
+
+def _key_name(kh: int, names: dict) -> str:
+    return names.get(kh, f"<key #{kh & 0xFFFFFF:06x}>")
+
+
+def _render(node: _Node, names: dict, leaf) -> str:
+    if node.kind in _BRACKETS:
+        parts = [(_key_name(k, names) + ": " if node.kind == "dict" else "") + _render(c, names, leaf)
+                 for k, c in node.items]
+        o, c = _BRACKETS[node.kind]
+        tail = "," if node.kind == "tuple" and len(parts) == 1 else ""
+        return o + ", ".join(parts) + tail + c
+    return leaf(node)
+
+
+def _shape_text(node: _Node) -> str:
+    return _fmt_shape(node.dims) if node.kind == "tensor" else node.kind
+
+
+def _dtype_text(node: _Node) -> str:
+    return _dtype_name(node.dtype) if node.kind == "tensor" else node.kind
+
+
+def _leaves(node: _Node, path: str, names: dict, out: list) -> list:
+    if node.kind in _BRACKETS:
+        for i, (k, child) in enumerate(node.items):
+            sub = f"[{_key_name(k, names)}]" if node.kind == "dict" else f"[{i}]"
+            _leaves(child, path + sub, names, out)
+    else:
+        out.append((path, node))
+    return out
+
+
+def _what(node: _Node) -> str:
+    if node.kind == "tensor":
+        return "a tensor"
+    if node.kind in ("list", "tuple"):
+        return f"a {node.kind} of {len(node.items)}"
+    if node.kind == "dict":
+        return "a dict"
+    return node.kind
+
+
+_ORDER_HINT = ("Accelerate's operations and loops over .items() pair values by position, so "
+               "values would be gathered under other keys; build the dicts in one key order, or "
+               "sort them")
+
+
+def _structure_diffs(a: _Node, b: _Node, path: str, names: dict, out: list) -> None:
+    """Append how ``b``'s structure differs from ``a``'s (first difference on each branch)."""
+    if a.kind != b.kind:
+        out.append(f"{path} is {_what(b)} instead of {_what(a)}")
+        return
+    if a.kind in ("list", "tuple"):
+        if len(a.items) != len(b.items):
+            out.append(f"{path} is {_what(b)} instead of {len(a.items)}")
+            return
+        for i, ((_, ca), (_, cb)) in enumerate(zip(a.items, b.items)):
+            _structure_diffs(ca, cb, f"{path}[{i}]", names, out)
+        return
+    if a.kind != "dict":
+        return
+    ka, kb = [k for k, _ in a.items], [k for k, _ in b.items]
+    if ka != kb:
+        def listed(keys):
+            return "[" + ", ".join(_key_name(k, names) for k in keys) + "]"
+        if sorted(ka) == sorted(kb):
+            out.append(f"keys of {path} are in another order: {listed(kb)} instead of "
+                       f"{listed(ka)} ({_ORDER_HINT})")
+        else:
+            missing = [k for k in ka if k not in set(kb)]
+            extra = [k for k in kb if k not in set(ka)]
+            how = []
+            if missing:
+                how.append("missing " + ", ".join(_key_name(k, names) for k in missing))
+            if extra:
+                how.append("extra " + ", ".join(_key_name(k, names) for k in extra))
+            if not how:
+                how.append("the same keys, some more than once")
+            out.append(f"keys of {path} are {listed(kb)} instead of {listed(ka)} "
+                       f"({'; '.join(how)})")
+        return
+    for (k, ca), (_, cb) in zip(a.items, b.items):
+        _structure_diffs(ca, cb, f"{path}[{_key_name(k, names)}]", names, out)
+
+
 def _local_keys(obj, keys: dict) -> None:
-    if isinstance(obj, dict):
+    if isinstance(obj, (dict, Mapping)):
         for k, v in obj.items():
-            keys[_key_hash(k)] = repr(k)
+            keys.setdefault(_key_hash(k), repr(k))
             _local_keys(v, keys)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             _local_keys(v, keys)
 
 
+# NOTE: [key names]
+# The records carry dict keys as hashes only. On a mismatch every rank then sends the readable
+# names of its own keys (hash, length, repr truncated to _KEY_TEXT bytes; as many as fit in
+# KEY_WORDS int64) in one more fixed-size all_gather, so that every rank can name every rank's
+# keys and all raise the same message. Keys beyond the buffer show as ``<key #hash>``.
+def pack_key_names(obj, buf: bytearray) -> None:
+    """Write ``obj``'s dict key names into ``buf`` (KEY_WORDS int64; NOTE: [key names])."""
+    keys: dict = {}
+    _local_keys(obj, keys)
+    buf[:] = bytes(len(buf))
+    pos, count, truncated = 8, 0, 0
+    for kh, name in keys.items():
+        text = name.encode("utf-8", "replace")
+        cut = len(text) > _KEY_TEXT
+        text = text[:_KEY_TEXT]
+        if pos + 11 + len(text) > len(buf):
+            truncated = 1
+            break
+        struct.pack_into("<qHB", buf, pos, kh, len(text), cut)
+        buf[pos + 11: pos + 11 + len(text)] = text
+        pos += 11 + len(text)
+        count += 1
+    struct.pack_into("<ii", buf, 0, count, truncated)
+
+
+def unpack_key_names(out: bytearray, world: int) -> dict:
+    """Key hash -> name from every rank's part of a key-name exchange (ranks in order)."""
+    names: dict = {}
+    stride = KEY_WORDS * 8
+    for r in range(world):
+        base = r * stride
+        count, _ = struct.unpack_from("<ii", out, base)
+        pos = base + 8
+        for _ in range(max(0, count)):
+            if pos + 11 > base + stride:
+                break
+            kh, n, cut = struct.unpack_from("<qHB", out, pos)
+            if pos + 11 + n > base + stride:
+                break
+            text = bytes(out[pos + 11: pos + 11 + n]).decode("utf-8", "replace")
+            names.setdefault(kh, text + ("..." if cut else ""))
+            pos += 11 + n
+    return names
+
+
 def _fmt_shape(shape) -> str:
     return "[" + ", ".join("*" if d == -1 else str(d) for d in shape) + "]"
 
 
-def mismatch_message(out: bytearray, world: int, obj, op: str, me: int | None = None) -> str:
-    """The message every rank raises. It depends only on the gathered records, so every rank
-    reports the same differences; dict keys this rank does not have show as ``<key #hash>``, and
-    a description too large for the record is shown in full only by its own rank (``me``)."""
+def mismatch_message(out: bytearray, world: int, obj, op: str, me: int | None = None,
+                     key_names: dict | None = None, key_order: bool = True) -> str:
+    """The message every rank raises. It depends only on the gathered records and ``key_names``
+    (every rank's dict keys, from the exchange of NOTE: [key names]), so every rank reports the
+    same differences; without ``key_names``, keys this rank does not have show as
+    ``<key #hash>``. A description too large for the record is shown in full only by its own
+    rank (``me``)."""
     records = [_Record(out, r) for r in range(world)]
-    keys: dict = {}
-    _local_keys(obj, keys)
+    keys: dict = dict(key_names or {})
+    _local_keys(obj, keys)  # only adds keys the exchange could not carry
     if me is not None and records[me].valid and not records[me].complete:
         # Too large for the record: this rank can still show its own description in full.
         tokens: list = []
-        _describe(obj, tokens, [])
+        _describe(obj, tokens, [], key_order)
         records[me].tokens, records[me].complete = tokens, True
-    parsed = []
+    trees, shapes_text, dtypes_text = [], [], []
     for rec in records:
-        leaves: list = []
+        tree = None
         if rec.valid and rec.complete:
             try:
-                end, s, d, t = _parse(rec.tokens, 0, "input", leaves, keys)
+                tree, end = _parse(rec.tokens, 0)
                 if end != len(rec.tokens):
-                    raise IndexError
-                parsed.append((s, d, leaves, t))
-                continue
+                    tree = None
             except IndexError:
-                pass
-        if not rec.valid:
-            parsed.append(("<not a numguard shape record>", "<unknown>", None, None))
+                tree = None
+        trees.append(tree)
+        if tree is not None:
+            shapes_text.append(_render(tree, keys, _shape_text))
+            dtypes_text.append(_render(tree, keys, _dtype_text))
+        elif not rec.valid:
+            shapes_text.append("<not a numguard shape record>")
+            dtypes_text.append("<unknown>")
         else:
-            parsed.append((f"<{rec.n_leaves} leaves: too large to show>", "<too large to show>",
-                           None, None))
+            shapes_text.append(f"<{rec.n_leaves} leaves: too large to show>")
+            dtypes_text.append("<too large to show>")
     operation = records[0].op if records[0].valid else op
     lines = [
         "Cannot apply desired operation due to shape mismatches. "
@@ -317,9 +502,9 @@ def mismatch_message(out: bytearray, world: int, obj, op: str, me: int | None = 
         f"Operation: `{operation}`",
         "Input shapes:",
     ]
-    lines += [f"  - Process {r}: {parsed[r][0]}" for r in range(world)]
+    lines += [f"  - Process {r}: {shapes_text[r]}" for r in range(world)]
     lines.append("Input dtypes:")
-    lines += [f"  - Process {r}: {parsed[r][1]}" for r in range(world)]
+    lines += [f"  - Process {r}: {dtypes_text[r]}" for r in range(world)]
     if any(rec.details for rec in records):
         lines.append("Arguments:")
         lines += [f"  - Process {r}: {rec.details}" for r, rec in enumerate(records)]
@@ -332,54 +517,66 @@ def mismatch_message(out: bytearray, world: int, obj, op: str, me: int | None = 
     for r, rec in enumerate(records):
         if r == ref or (rec.valid and rec.full == rref.full):
             continue
-        if not rec.valid:
-            diffs.append(f"  - Process {r}: sent a record numguard cannot read (a different "
-                         "numguard version, or a different collective at this point)")
-            continue
-        if rec.op_hash != rref.op_hash:
-            # Another collective: its arguments and inputs differ as a matter of course.
-            diffs.append(f"  - Process {r}: operation `{rec.op}` instead of `{rref.op}` (the "
-                         "ranks are at different collectives)")
-            continue
-        if rec.details_hash != rref.details_hash:
-            diffs.append(f"  - Process {r}: arguments `{rec.details}` instead of `{rref.details}`")
-        la, lb = parsed[ref][2], parsed[r][2]
-        if la is None or lb is None:
-            what = "dtypes" if rec.shape_hash == rref.shape_hash else "shapes or structure"
-            diffs.append(f"  - Process {r}: {what} (too many tensors to compare one by one)")
-            continue
-        if parsed[ref][3] != parsed[r][3] or len(la) != len(lb):
-            if len(la) != len(lb):
-                how = f"{len(lb)} leaves instead of {len(la)}"
-            else:
-                how = "container types or dict keys differ"
-            diffs.append(f"  - Process {r}: structure ({how})")
-            continue
-        for a, b in zip(la, lb):
-            if a.kind != b.kind:
-                diffs.append(f"  - Process {r}: {b.path} is {b.kind} instead of {a.kind}")
-                continue
-            if a.kind != "tensor":
-                continue
-            if a.shape != b.shape:
-                if len(a.shape) != len(b.shape):
-                    how = f"ndim {len(b.shape)} instead of {len(a.shape)}"
-                elif _prod(a.shape) == _prod(b.shape):
-                    how = "same number of elements, different shape"
-                else:
-                    idx = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
-                    verb = "differs" if len(idx) == 1 else "differ"
-                    how = "dim " + ", ".join(map(str, idx)) + " " + verb
-                diffs.append(f"  - Process {r}: shape of {b.path} is {_fmt_shape(b.shape)} "
-                             f"instead of {_fmt_shape(a.shape)} ({how})")
-            if a.dtype != b.dtype:
-                diffs.append(f"  - Process {r}: dtype of {b.path} is {_dtype_name(b.dtype)} "
-                             f"instead of {_dtype_name(a.dtype)}")
+        diffs += _differences(r, rec, rref, trees[ref], trees[r], keys)
     lines.append(f"What differs (compared with process {ref}):")
     lines += diffs or ["  - (descriptions differ but no field-level difference was found)"]
     lines.append("Call sites:")
     lines += [f"  - Process {r}: {rec.site or '<unknown>'}" for r, rec in enumerate(records)]
     return "\n".join(lines)
+
+
+def _differences(r: int, rec: _Record, rref: _Record, ta, tb, keys: dict) -> list:
+    """Lines saying how process ``r``'s record differs from the reference."""
+    if not rec.valid:
+        return [f"  - Process {r}: sent a record numguard cannot read (a different numguard "
+                "version, or a different collective at this point)"]
+    if rec.op_hash != rref.op_hash:
+        # Another collective: its arguments and inputs differ as a matter of course.
+        return [f"  - Process {r}: operation `{rec.op}` instead of `{rref.op}` (the ranks are at "
+                "different collectives)"]
+    diffs = []
+    if rec.details_hash != rref.details_hash:
+        diffs.append(f"  - Process {r}: arguments `{rec.details}` instead of `{rref.details}`")
+    if ta is None or tb is None:
+        if rec.structure_hash != rref.structure_hash:
+            if rec.sorted_structure_hash == rref.sorted_structure_hash:
+                what = f"the same dict keys in another order ({_ORDER_HINT})"
+            else:
+                what = "structure: container types, lengths, dict keys or leaf types"
+        elif rec.shape_hash != rref.shape_hash:
+            what = "shapes"
+        elif rec.full != rref.full:
+            what = "dtypes"
+        else:
+            return diffs
+        diffs.append(f"  - Process {r}: {what} (too many tensors to compare one by one)")
+        return diffs
+    structure: list = []
+    _structure_diffs(ta, tb, "input", keys, structure)
+    la, lb = _leaves(ta, "input", keys, []), _leaves(tb, "input", keys, [])
+    if structure:
+        head = f"{len(lb)} leaves instead of {len(la)}: " if len(la) != len(lb) else ""
+        shown = "; ".join(structure[:4]) + ("; ..." if len(structure) > 4 else "")
+        diffs.append(f"  - Process {r}: structure ({head}{shown})")
+        return diffs
+    for (_, a), (path, b) in zip(la, lb):
+        if a.kind != "tensor":
+            continue
+        if a.dims != b.dims:
+            if len(a.dims) != len(b.dims):
+                how = f"ndim {len(b.dims)} instead of {len(a.dims)}"
+            elif _prod(a.dims) == _prod(b.dims):
+                how = "same number of elements, different shape"
+            else:
+                idx = [i for i, (x, y) in enumerate(zip(a.dims, b.dims)) if x != y]
+                verb = "differs" if len(idx) == 1 else "differ"
+                how = "dim " + ", ".join(map(str, idx)) + " " + verb
+            diffs.append(f"  - Process {r}: shape of {path} is {_fmt_shape(b.dims)} "
+                         f"instead of {_fmt_shape(a.dims)} ({how})")
+        if a.dtype != b.dtype:
+            diffs.append(f"  - Process {r}: dtype of {path} is {_dtype_name(b.dtype)} "
+                         f"instead of {_dtype_name(a.dtype)}")
+    return diffs
 
 
 def _prod(shape) -> int:
@@ -390,28 +587,32 @@ def _prod(shape) -> int:
 
 
 def check_shapes(obj, op: str | None = None, group=None, timeout: float | None = None,
-                 details: str = "") -> None:
+                 details: str = "", key_order: bool = True) -> None:
     """Check that every rank of ``group`` passes the same structure, shapes and dtypes.
 
     Args:
-        obj: a tensor, or any nesting of lists/tuples/dicts of tensors (None and scalars allowed
-            as leaves; scalar values are not compared, only their types).
+        obj: a tensor, or any nesting of lists/tuples/dicts (any Mapping) of tensors (None and
+            scalars allowed as leaves; scalar values are not compared, only their types).
         op: name shown in the message (e.g. ``"torch.distributed.all_reduce"``); ranks must agree
             on it too.
         group: process group (default group when None).
         timeout: seconds to wait for every rank (``NUMGUARD_DIST_TIMEOUT``, default 60).
         details: other arguments ranks must agree on, as text (e.g. ``"src=0"``); compared, and
             shown when they differ.
+        key_order: dicts must hold their keys in the same order on every rank (default), as
+            code that pairs values by position needs (Accelerate's operations, loops over
+            ``.items()``); False compares dicts by key whatever their order (NOTE: [dict order]).
 
-    Runs one all_reduce of two int64 (the hash of this rank's record, see NOTE: [check record
-    layout]) on numguard's own gloo group over the same ranks (NOTE: [own process group] in
-    coordination.py); only when the hashes differ, one all_gather of the fixed-size records. On a
-    mismatch every rank raises :class:`DistributedOperationException` listing the same
-    differences; a rank that does not arrive in time makes the others raise
-    :class:`DistributedTimeoutError` naming it, after which numguard stops checking the group
-    (warned once). Dicts compare by key, whatever their insertion order (NOTE: [dict order]).
-    Does nothing without an initialized process group, with one rank, or on a rank outside
-    ``group``.
+    Structure means container types (list, tuple, dict), lengths, dict keys and their order, and
+    leaf types (tensor, None, or the scalar's type). Runs one all_reduce of two int64 (the hash
+    of this rank's record, see NOTE: [check record layout]) on numguard's own gloo group over the
+    same ranks (NOTE: [own process group] in coordination.py); only when the hashes differ, one
+    all_gather of the fixed-size records and one of the ranks' dict key names (NOTE: [key
+    names]). On a mismatch every rank raises :class:`DistributedOperationException` listing the
+    same differences, each rank's dict keys by name; a rank that does not arrive in time makes the
+    others raise :class:`DistributedTimeoutError` naming it, after which numguard stops checking
+    the group (warned once). Does nothing without an initialized process group, with one rank,
+    or on a rank outside ``group``.
     """
     if not _co.is_initialized():
         return
@@ -428,12 +629,12 @@ def check_shapes(obj, op: str | None = None, group=None, timeout: float | None =
         return
     site = _co.call_site()
     with _co.exclusive(st, f"the check of `{op_name}`"):
-        _check(st, obj, op_name, site, timeout, details)
+        _check(st, obj, op_name, site, timeout, details, key_order)
 
 
-def _check(st, obj, op_name: str, site: str, timeout, details: str) -> None:
+def _check(st, obj, op_name: str, site: str, timeout, details: str, key_order: bool) -> None:
     if FAST_PATH == "all_reduce":
-        full = description_hash(obj, op_name, details)
+        full = description_hash(obj, op_name, details, key_order)
         # NOTE: [agreement by all_reduce] MAX of (h, -h) gives (max h, -min h): equal hashes on
         # every rank iff max == min. Only when they differ do the ranks (all of them, since they
         # all see the same result) gather the full records to write the message.
@@ -448,17 +649,33 @@ def _check(st, obj, op_name: str, site: str, timeout, details: str) -> None:
         hi, neg_lo = struct.unpack_from("<2q", rb, 0)
         if hi == -neg_lo:
             return
-    encode(obj, op_name, site, st.gather_buffers(RECORD_WORDS)[0], details)
+    encode(obj, op_name, site, st.gather_buffers(RECORD_WORDS)[0], details, key_order)
     out = _co.timed_all_gather(st, RECORD_WORDS, f"`{op_name}`", site, timeout)
     stride = RECORD_WORDS * 8
-    magic0, full0 = struct.unpack_from("<2q", out, 0)
-    for r in range(1, st.world):
+    magics, fulls = set(), set()
+    for r in range(st.world):
         magic, full = struct.unpack_from("<2q", out, r * stride)
-        if magic != magic0 or full != full0:
-            raise DistributedOperationException(
-                mismatch_message(out, st.world, obj, op_name, st.rank))
-    if magic0 != _MAGIC:
-        raise DistributedOperationException(mismatch_message(out, st.world, obj, op_name, st.rank))
+        magics.add(magic)
+        fulls.add(full)
+    if magics == {_MAGIC} and len(fulls) == 1:
+        return
+    names = None
+    if magics == {_MAGIC}:
+        # Every rank reads the same records, so all of them (and only they) come here.
+        names = _gather_key_names(st, obj, op_name, site, timeout)
+    raise DistributedOperationException(
+        mismatch_message(out, st.world, obj, op_name, st.rank, names, key_order))
+
+
+def _gather_key_names(st, obj, op_name: str, site: str, timeout) -> dict | None:
+    """Every rank's dict key names (NOTE: [key names]); None when the exchange failed (the
+    message then names only this rank's keys)."""
+    try:
+        pack_key_names(obj, st.gather_buffers(KEY_WORDS)[0])
+        out = _co.timed_all_gather(st, KEY_WORDS, f"the key names of `{op_name}`", site, timeout)
+        return unpack_key_names(out, st.world)
+    except DistributedOperationException:
+        return None
 
 
 def _c10d_not_in_group(group) -> bool:
