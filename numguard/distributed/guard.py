@@ -36,11 +36,17 @@ Barriers and object collectives are checked so that a rank waiting in one meets 
 ranks that are elsewhere: one rank running an extra guarded collective while the other waits in
 a barrier is a mismatch naming both operations, and a rank still in an unchecked collective
 (DDP's gradient all_reduce in one more step) is named by the waiting rank's timeout.
+
+Framework operations that recurse into containers (Accelerate's gather, gather_for_metrics,
+reduce, broadcast, pad_across_processes) are checked as a whole: see NOTE: [container
+operations].
 """
 from __future__ import annotations
 
 import functools
+import importlib
 import threading
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -182,6 +188,123 @@ _local = threading.local()
 _installed: "CollectiveGuard | None" = None
 
 
+# NOTE: [container operations]
+# Accelerate's gather (and reduce, broadcast, pad_across_processes) walks a nested container and
+# makes one collective per tensor, in the container's own order. Checked tensor by tensor, dicts
+# whose keys differ between ranks pass (rank 0 gets rank 1's "c" under "b"), and a key that one
+# rank alone has is one collective more on that rank: the others wait in vain, which reads like
+# a hang. So the operation announces its whole container (container_operation), and the first
+# guarded collective inside it checks the container's description (structure, dict keys in
+# order, shapes, dtypes, the operation's arguments) in place of its own tensor's, in the same
+# single exchange: no collective is added, and a difference is reported before any rank has made
+# the first of its own collectives. A rank whose container makes no collective at all (empty, or
+# a non-tensor leaf comes first) checks it on its own at once, meeting the other ranks' first
+# check. The integration that knows the framework (numguard.integrations.accelerate) installs the
+# announcement when the framework's module is imported while a guard is active
+# (_CONTAINER_FRAMEWORKS).
+_CONTAINER_FRAMEWORKS = {"accelerate.utils.operations": "numguard.integrations.accelerate"}
+_following: set = set()
+
+
+class _Container:
+    __slots__ = ("op", "describe", "details", "site", "checked")
+
+    def __init__(self, op, describe, details, site):
+        self.op, self.describe, self.details, self.site = op, describe, details, site
+        self.checked = False
+
+
+def accepts_container() -> bool:
+    """Whether an operation announced now would be checked: a guard is active and this thread is
+    not inside an announced operation already (nested calls belong to the outer one)."""
+    g = _installed
+    return (g is not None and g.active and getattr(_local, "container", None) is None
+            and not getattr(_local, "busy", False))
+
+
+def container_operation(op: str, describe, details: str = "", collective_first: bool = True,
+                        site=None):
+    """Announce a framework operation over a whole container (NOTE: [container operations]).
+
+    Args:
+        op: the operation's name, e.g. ``"accelerate.utils.operations.gather"``.
+        describe: returns what the ranks must agree on (the container, or a description of it
+            with :class:`~numguard.distributed.shapes.TensorSpec` leaves).
+        details: the operation's arguments that must agree, as text.
+        collective_first: whether this rank's first leaf makes a guarded collective; when not,
+            the container is checked now.
+        site: returns the caller's ``file:line`` for the message (default: the first frame
+            outside numguard and torch).
+
+    Returns a token for :func:`end_container_operation`, or None when there is nothing to do
+    (no active guard, already inside an announced operation, inside numguard's own check).
+    """
+    g = _installed
+    if (g is None or not g.active or getattr(_local, "container", None) is not None
+            or getattr(_local, "busy", False) or _compiling()):
+        return None
+    container = _Container(op, describe, details, site)
+    if not collective_first:
+        container.checked = True
+        _check_container(g, container, None)
+    _local.container = container
+    return container
+
+
+def end_container_operation(token) -> None:
+    """The operation announced by :func:`container_operation` has returned (or raised)."""
+    if token is not None and getattr(_local, "container", None) is token:
+        _local.container = None
+
+
+def _check_container(g, container, group) -> bool:
+    """Check the announced container; False when it could not be described (the caller then
+    checks its own collective as usual)."""
+    try:
+        obj = container.describe()
+        site = container.site() if container.site is not None else None
+    except Exception as exc:  # numguard's failure must not stop the job
+        warnings.warn(f"numguard: could not describe the container of `{container.op}` "
+                      f"({type(exc).__name__}: {exc}); its tensors are checked one by one",
+                      RuntimeWarning, stacklevel=4)
+        return False
+    _local.busy = True
+    try:
+        check_shapes(obj, op=container.op, group=group, timeout=g.timeout,
+                     details=container.details, site=site)
+    finally:
+        _local.busy = False
+    return True
+
+
+def _follow_container_frameworks() -> None:
+    """Have each framework of _CONTAINER_FRAMEWORKS announce its container operations, now if
+    it is imported, else when it is."""
+    from .._startup import _after_import
+
+    for module_name, integration in _CONTAINER_FRAMEWORKS.items():
+        if module_name in _following:
+            continue
+        _following.add(module_name)
+        _after_import(module_name, functools.partial(_follow_framework, module_name, integration))
+
+
+def _follow_framework(module_name: str, integration: str) -> None:
+    _following.discard(module_name)
+    g = _installed
+    if g is None or not g.active:
+        return
+    try:
+        undo = importlib.import_module(integration).follow_container_operations()
+    except Exception as exc:  # numguard's failure must not stop the job
+        warnings.warn(f"numguard: the operations of {module_name} that recurse into containers "
+                      f"are checked tensor by tensor only: {type(exc).__name__}: {exc}",
+                      RuntimeWarning, stacklevel=2)
+        return
+    if undo is not None:
+        g._undo.append(undo)
+
+
 def _compiling() -> bool:
     try:
         return torch.compiler.is_compiling()
@@ -197,6 +320,13 @@ def _wrap(guard, name, original, spec, group_index, details):
         g = guard  # each wrapper serves its own guard: a removed one passes calls through
         if g.active and not getattr(_local, "busy", False) and not _compiling():
             group = _arg(args, kwargs, group_index, "group")
+            container = getattr(_local, "container", None)
+            if container is not None and not container.checked:
+                # the first collective of an announced container operation checks the whole
+                # container instead (NOTE: [container operations])
+                container.checked = True
+                if _check_container(g, container, group):
+                    return original(*args, **kwargs)
             _local.busy = True
             try:
                 check_shapes(spec(args, kwargs), op=qualname, group=group, timeout=g.timeout,
@@ -218,6 +348,7 @@ class CollectiveGuard:
         self.active = True
         self._originals: dict = {}
         self._wrappers: dict = {}
+        self._undo: list = []  # frameworks' container operations (NOTE: [container operations])
 
     def _install(self):
         for name, (spec, group_index, details) in _COLLECTIVES.items():
@@ -246,6 +377,9 @@ class CollectiveGuard:
             for name, wrapper in self._wrappers.items():
                 if getattr(dist, name, None) is wrapper:
                     setattr(dist, name, self._originals[name])
+            for undo in self._undo:
+                undo()
+            self._undo.clear()
             if _installed is self:
                 _installed = None
 
@@ -286,6 +420,7 @@ def guard_collectives(timeout: float | None = None) -> CollectiveGuard:
         guard = CollectiveGuard(timeout)
         guard._install()
         _installed = guard
+        _follow_container_frameworks()
         return guard
 
 

@@ -587,7 +587,7 @@ def _prod(shape) -> int:
 
 
 def check_shapes(obj, op: str | None = None, group=None, timeout: float | None = None,
-                 details: str = "", key_order: bool = True) -> None:
+                 details: str = "", key_order: bool = True, site: str | None = None) -> None:
     """Check that every rank of ``group`` passes the same structure, shapes and dtypes.
 
     Args:
@@ -602,6 +602,8 @@ def check_shapes(obj, op: str | None = None, group=None, timeout: float | None =
         key_order: dicts must hold their keys in the same order on every rank (default), as
             code that pairs values by position needs (Accelerate's operations, loops over
             ``.items()``); False compares dicts by key whatever their order (NOTE: [dict order]).
+        site: where the collective is called, shown in the message (default: the first caller
+            outside numguard and torch).
 
     Structure means container types (list, tuple, dict), lengths, dict keys and their order, and
     leaf types (tensor, None, or the scalar's type). Runs one all_reduce of two int64 (the hash
@@ -627,7 +629,8 @@ def check_shapes(obj, op: str | None = None, group=None, timeout: float | None =
             f"numguard.distributed: `{op_name}` and later collectives of process group "
             f"{st.name!r} are not checked: numguard stopped using the group after: {st.broken}"))
         return
-    site = _co.call_site()
+    if site is None:
+        site = _co.call_site()
     with _co.exclusive(st, f"the check of `{op_name}`"):
         _check(st, obj, op_name, site, timeout, details, key_order)
 
