@@ -159,6 +159,73 @@ def case_accelerate_ops(rank, world):
     return res
 
 
+def case_accelerate_containers(rank, world):
+    """Accelerate's operations over dicts and lists whose structure differs between the two
+    processes, under numguard's collective check (NUMGUARD_DIST_CHECK=1 from the environment, or
+    guard_collectives() called before Accelerate is imported when NG_EXPLICIT_GUARD is set);
+    healthy containers still work and make one numguard exchange per tensor, no more."""
+    import os
+
+    if os.environ.get("NG_EXPLICIT_GUARD"):
+        import numguard.distributed as ngd
+
+        ngd.guard_collectives()  # before Accelerate is imported: followed when it is
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import broadcast, gather, pad_across_processes, reduce
+
+    import numguard.distributed as ngd
+    from numguard.distributed import coordination
+
+    accelerator = Accelerator(cpu=True)
+    res = {"processes": accelerator.num_processes}
+    exchanges = []
+    real_reduce, real_gather = coordination.timed_all_reduce, coordination.timed_all_gather
+
+    def counted(real, kind):
+        def call(*args, **kwargs):
+            exchanges.append(kind)
+            return real(*args, **kwargs)
+        return call
+
+    coordination.timed_all_reduce = counted(real_reduce, "all_reduce")
+    coordination.timed_all_gather = counted(real_gather, "all_gather")
+
+    def t(*shape, value=None):
+        return torch.full(shape, float(rank if value is None else value))
+
+    other = "b" if rank == 0 else "c"
+    res["keys_differ"] = _outcome(lambda: gather({"a": t(2), other: t(2)}))
+    extra = {"a": t(2), "b": t(2)}
+    if rank == 0:
+        extra["c"] = t(2)
+    res["extra_key"] = _outcome(lambda: gather(extra))
+    ab = {"a": t(2, value=0), "b": t(2, value=10)}
+    res["key_order"] = _outcome(lambda: gather(ab if rank == 0 else {"b": ab["b"], "a": ab["a"]}))
+    res["nested_keys"] = _outcome(lambda: gather(
+        {"out": {"logits": t(2), ("loss" if rank == 0 else "aux"): t(1)}}))
+    res["list_length"] = _outcome(lambda: gather({"xs": [t(2)] * (2 + rank)}))
+    # rank 1's first leaf is a float: Accelerate would raise TypeError there alone
+    res["tensor_vs_scalar"] = _outcome(lambda: reduce({"x": t(2) if rank == 0 else 2.0}))
+    res["reduce_keys"] = _outcome(lambda: reduce({"a": t(2), other: t(2)}))
+    res["broadcast_keys"] = _outcome(lambda: broadcast({"a": t(2), other: t(2)}))
+    res["pad_keys"] = _outcome(lambda: pad_across_processes({"a": t(2 + rank), other: t(2)}))
+    res["gather_for_metrics_keys"] = _outcome(
+        lambda: accelerator.gather_for_metrics({"a": t(2), other: t(2)}))
+    # healthy containers: right values, one numguard exchange per tensor
+    del exchanges[:]
+    res["healthy_gather"] = _outcome(lambda: {k: v.tolist() if torch.is_tensor(v) else [x.tolist() for x in v]
+                                              for k, v in gather({"a": t(2), "b": [t(1, value=10 + rank),
+                                                                                   t(1, value=20 + rank)]}).items()})
+    res["healthy_gather_exchanges"] = list(exchanges)
+    res["healthy_reduce"] = _outcome(lambda: reduce({"a": t(2), "b": t(1)}, reduction="sum")["a"].tolist())
+    res["healthy_pad"] = _outcome(lambda: {k: list(v.shape) for k, v in pad_across_processes(
+        {"a": t(2 + rank, 3), "b": t(1)}).items()})
+    res["healthy_broadcast"] = _outcome(lambda: broadcast({"a": t(2)}, from_process=1)["a"].tolist())
+    coordination.timed_all_reduce, coordination.timed_all_gather = real_reduce, real_gather
+    return res
+
+
 def case_fsdp2_local_shards(rank, world):
     """FSDP2 (fully_shard, DTensor parameters) on 2 CPU processes: rank 1's local shard of
     fc1.weight's gradient turns NaN before step 1's optimizer step."""

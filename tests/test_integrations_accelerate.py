@@ -92,8 +92,11 @@ def test_dist_check_covers_accelerate_operations_instead_of_debug_mode():
             assert res[op].get("exc") == "DistributedOperationException", (op, res[op])
         assert res["pad_uneven"] == {"ok": [6, 3]}, res
         assert res["gather_ok"] == {"ok": [4, 3]}, res
-        assert {"torch.distributed.all_gather", "torch.distributed.all_reduce",
-                "torch.distributed.broadcast"} <= set(res["checked_ops"]), res["checked_ops"]
+        # each operation's first collective checks the operation's whole container
+        assert {"accelerate.utils.operations.gather", "accelerate.utils.operations.reduce",
+                "accelerate.utils.operations.broadcast",
+                "accelerate.utils.operations.pad_across_processes"} <= set(res["checked_ops"]), \
+            res["checked_ops"]
     assert "both set" in results[0]["log"]
 
 
@@ -115,3 +118,61 @@ def test_start_up_turns_accelerate_debug_mode_off_when_numguard_checks_collectiv
         assert ngd.guard.installed_guard() is not None
     finally:
         ngd.unguard_collectives()
+
+
+def _same_everywhere(results, key):
+    outcomes = [res[key] for res in results]
+    assert all(o.get("exc") == "DistributedOperationException" for o in outcomes), outcomes
+    assert outcomes[0]["msg"] == outcomes[1]["msg"], outcomes
+    return outcomes[0]["msg"]
+
+
+@pytest.mark.timeout(250)
+@pytest.mark.parametrize("how", ["NUMGUARD_DIST_CHECK", "guard_collectives"])
+def test_accelerate_containers_are_checked_as_a_whole(how):
+    from integ_workers import run_ranks
+
+    env = {"NUMGUARD_DIST_TIMEOUT": "30"}
+    env.update({"NUMGUARD_DIST_CHECK": "1"} if how == "NUMGUARD_DIST_CHECK" else
+               {"NUMGUARD_DIST_CHECK": "0", "NG_EXPLICIT_GUARD": "1"})
+    results = run_ranks("accelerate_containers", world=2, timeout=200, env=env)
+    assert all(res["processes"] == 2 for res in results)
+    gather_op = "Operation: `accelerate.utils.operations.gather`"
+
+    msg = _same_everywhere(results, "keys_differ")  # before: rank 0 got rank 1's "c" under "b"
+    assert gather_op in msg
+    assert "Input shapes:\n  - Process 0: {'a': [2], 'b': [2]}\n  - Process 1: {'a': [2], 'c': [2]}\n" in msg
+    assert "keys of input are ['a', 'c'] instead of ['a', 'b'] (missing 'b'; extra 'c')" in msg
+    assert "integ_workers.py" in msg.split("Call sites:")[1]  # the caller's line, not Accelerate's
+
+    # before: rank 0's extra collective waited for rank 1 ("ranks that never arrived")
+    msg = _same_everywhere(results, "extra_key")
+    assert "never arrived" not in msg
+    assert ("structure (2 leaves instead of 3: keys of input are ['a', 'b'] instead of "
+            "['a', 'b', 'c'] (missing 'c'))") in msg
+
+    # Accelerate pairs a dict's values by position: the same keys in another order is a mismatch
+    msg = _same_everywhere(results, "key_order")
+    assert "keys of input are in another order: ['b', 'a'] instead of ['a', 'b']" in msg
+
+    msg = _same_everywhere(results, "nested_keys")
+    assert "keys of input['out'] are ['logits', 'aux'] instead of ['logits', 'loss']" in msg
+    msg = _same_everywhere(results, "list_length")
+    assert "input['xs'] is a list of 3 instead of 2" in msg
+    msg = _same_everywhere(results, "tensor_vs_scalar")  # before: TypeError on rank 1 alone
+    assert "Operation: `accelerate.utils.operations.reduce`" in msg
+    assert "input['x'] is float instead of a tensor" in msg
+    for key, op in (("reduce_keys", "reduce"), ("broadcast_keys", "broadcast"),
+                    ("pad_keys", "pad_across_processes"), ("gather_for_metrics_keys", "gather")):
+        msg = _same_everywhere(results, key)
+        assert f"Operation: `accelerate.utils.operations.{op}`" in msg
+        assert "(missing 'b'; extra 'c')" in msg
+
+    for rank, res in enumerate(results):
+        assert res["healthy_gather"] == {"ok": {"a": [0.0, 0.0, 1.0, 1.0],
+                                                "b": [[10.0, 11.0], [20.0, 21.0]]}}, res
+        # one numguard exchange per tensor, as before: the container's check adds none
+        assert res["healthy_gather_exchanges"] == ["all_reduce"] * 3, res["healthy_gather_exchanges"]
+        assert res["healthy_reduce"] == {"ok": [1.0, 1.0]}
+        assert res["healthy_pad"] == {"ok": {"a": [3, 3], "b": [1]}}
+        assert res["healthy_broadcast"] == {"ok": [1.0, 1.0]}
