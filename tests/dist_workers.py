@@ -730,11 +730,13 @@ def scenario_exchange_details(rank, world):
     order = keys if rank == 0 else list(reversed(keys))
     d = {k: torch.zeros(len(str(k))) for k in order}
     d["nested"] = {k: [torch.ones(2), None] for k in (keys[:3] if rank else keys[2::-1])}
-    res["dict_order"] = _catch(lambda: ngd.check_shapes(d, op="dicts"))
+    # Compared by key (key_order=False) they are equal; by default their order must agree too.
+    res["dict_order"] = _catch(lambda: ngd.check_shapes(d, op="dicts", key_order=False))
+    res["dict_order_default"] = _catch(lambda: ngd.check_shapes(d, op="dicts"))
     # Different values under the same keys are still caught, whatever the order.
     d2 = dict(d)
     d2["a"] = torch.zeros(5 + rank)
-    res["dict_value_differs"] = _catch(lambda: ngd.check_shapes(d2, op="dicts"))
+    res["dict_value_differs"] = _catch(lambda: ngd.check_shapes(d2, op="dicts", key_order=False))
     # Threads sharing a group's checks, from the group's first numguard call on.
     fresh = dist.new_group([0, 1])
     outcomes = {"A": [], "B": []}

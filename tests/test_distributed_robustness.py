@@ -59,13 +59,30 @@ def _shuffled(obj, rng):
     return obj
 
 
+def _key_orders(obj, out):
+    """Every dict's keys in insertion order, depth first."""
+    if isinstance(obj, dict):
+        out.append(list(obj))
+        for v in obj.values():
+            _key_orders(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _key_orders(v, out)
+    return out
+
+
 @pytest.mark.parametrize("seed", range(40))
-def test_dicts_equal_in_any_insertion_order_compare_equal(seed):
+def test_dicts_equal_in_any_insertion_order_compare_equal_by_key(seed):
     rng = random.Random(seed)
     obj = {"root": _random_nested(rng), "other": _random_nested(rng), 5: _random_nested(rng)}
     for _ in range(3):
         other = _shuffled(obj, rng)
-        assert shapes.description_hash(other, "op") == shapes.description_hash(obj, "op")
+        assert (shapes.description_hash(other, "op", key_order=False)
+                == shapes.description_hash(obj, "op", key_order=False))
+        # by default the order is compared too: equal exactly when every dict's order is
+        same_order = _key_orders(other, []) == _key_orders(obj, [])
+        assert (shapes.description_hash(other, "op") == shapes.description_hash(obj, "op")) \
+            == same_order
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -78,25 +95,75 @@ def test_dict_differences_are_still_caught_in_any_order(seed):
     extra = _shuffled(obj, rng)
     extra["new"] = torch.zeros(1)  # one key more
     for other, what in ((changed, "shape of input["), (extra, "structure")):
-        assert shapes.description_hash(other, "op") != shapes.description_hash(obj, "op")
+        assert (shapes.description_hash(other, "op", key_order=False)
+                != shapes.description_hash(obj, "op", key_order=False))
         out = bytearray()
         for o in (obj, other):
             buf = bytearray(shapes.RECORD_WORDS * 8)
-            shapes.encode(o, "op", "train.py:1", buf)
+            shapes.encode(o, "op", "train.py:1", buf, key_order=False)
             out += buf
-        assert what in shapes.mismatch_message(out, 2, obj, "op", 0)
+        assert what in shapes.mismatch_message(out, 2, obj, "op", 0, key_order=False)
 
 
-def test_dicts_are_shown_in_canonical_order():
+def _records(*objs, key_order=True):
+    out = bytearray()
+    for o in objs:
+        buf = bytearray(shapes.RECORD_WORDS * 8)
+        shapes.encode(o, "op", "x.py:1", buf, key_order=key_order)
+        out += buf
+    return out
+
+
+def test_dicts_are_shown_in_insertion_order_or_by_key():
     a = {"b": torch.zeros(1), "a": torch.zeros(2)}
     b = {"a": torch.zeros(2), "b": torch.zeros(3)}
-    out = bytearray()
-    for o in (a, b):
-        buf = bytearray(shapes.RECORD_WORDS * 8)
-        shapes.encode(o, "op", "x.py:1", buf)
-        out += buf
-    msg = shapes.mismatch_message(out, 2, a, "op", 0)
+    msg = shapes.mismatch_message(_records(a, b), 2, a, "op", 0)
+    assert "  - Process 0: {'b': [1], 'a': [2]}\n  - Process 1: {'a': [2], 'b': [3]}" in msg
+    assert "keys of input are in another order: ['a', 'b'] instead of ['b', 'a']" in msg
+    msg = shapes.mismatch_message(_records(a, b, key_order=False), 2, a, "op", 0, key_order=False)
     assert "  - Process 0: {'a': [2], 'b': [1]}\n  - Process 1: {'a': [2], 'b': [3]}" in msg
+    assert "shape of input['b'] is [3] instead of [1]" in msg
+
+
+def test_key_names_travel_between_ranks():
+    """Each rank's key names (NOTE: [key names]) let every rank name keys it does not have."""
+    mine, theirs = {"a": torch.zeros(2), "b": torch.zeros(2)}, {"a": torch.zeros(2), ("c", 1): [{"deep": None}]}
+    gathered = bytearray()
+    for o in (mine, theirs):
+        buf = bytearray(shapes.KEY_WORDS * 8)
+        shapes.pack_key_names(o, buf)
+        gathered += buf
+    names = shapes.unpack_key_names(gathered, 2)
+    assert sorted(names.values()) == sorted(["'a'", "'b'", "('c', 1)", "'deep'"])
+    out = _records(mine, theirs)
+    without = shapes.mismatch_message(out, 2, mine, "op", 0)
+    assert "('c', 1)" not in without and "<key #" in without
+    msg = shapes.mismatch_message(out, 2, mine, "op", 0, key_names=names)
+    assert "  - Process 1: {'a': [2], ('c', 1): [{'deep': None}]}" in msg
+    assert "(missing 'b'; extra ('c', 1))" in msg
+    # the same message whichever rank writes it
+    assert msg == shapes.mismatch_message(out, 2, theirs, "op", 1, key_names=names)
+    # a buffer too small for every key keeps those that fit, whole
+    many = {f"key{i:04d}" * 4: torch.zeros(1) for i in range(200)}
+    buf = bytearray(shapes.KEY_WORDS * 8)
+    shapes.pack_key_names(many, buf)
+    names = shapes.unpack_key_names(buf, 1)
+    assert 0 < len(names) < 200 and all(repr(k) in names.values() for k in list(many)[:len(names)])
+
+
+def test_structure_hashes_tell_key_order_from_other_differences_when_too_large():
+    keys = [f"k{i}" for i in range(80)]  # more tokens than the record holds
+    a = {k: torch.zeros(2) for k in keys}
+    reordered = {k: a[k] for k in reversed(keys)}
+    msg = shapes.mismatch_message(_records(a, reordered), 2, None, "op")
+    assert "  - Process 1: the same dict keys in another order" in msg
+    renamed = dict(a)
+    renamed["other"] = renamed.pop("k5")
+    msg = shapes.mismatch_message(_records(a, renamed), 2, None, "op")
+    assert "  - Process 1: structure: container types, lengths, dict keys or leaf types" in msg
+    wider = dict(a, k7=torch.zeros(3))
+    msg = shapes.mismatch_message(_records(a, wider), 2, None, "op")
+    assert "  - Process 1: shapes (too many tensors to compare one by one)" in msg
 
 
 @pytest.mark.parametrize("seconds", [1e-9, 0.0005, 1.0, 60.0, 1.5e6, 2.2e6, 1e9, 1e10, 1e12,
@@ -491,6 +558,8 @@ def test_guard_with_a_day_long_timeout(details):
 def test_equal_dicts_in_different_orders_pass_and_real_differences_do_not(details):
     for r in details:
         assert r["dict_order"] == {"ok": None}
+        assert r["dict_order_default"]["exc"] == "DistributedOperationException"
+        assert "keys of input are in another order" in r["dict_order_default"]["msg"]
         out = r["dict_value_differs"]
         assert out["exc"] == "DistributedOperationException"
         assert "shape of input['a'] is [6] instead of [5]" in out["msg"]
