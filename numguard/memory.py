@@ -5,8 +5,12 @@
         ...
     train("gpt2")          # batch size is passed by the decorator
 
-A drop-in for Accelerate's ``find_executable_batch_size`` (same call styles, the same TypeError
-when the caller passes the batch size, ``reduce_batch_size_fn()`` honoured), and:
+A drop-in for Accelerate's ``find_executable_batch_size``: it passes Accelerate's own tests
+(tests/test_memory_accelerate_parity.py): the same call styles, the same back-off (``int(size *
+0.9)``; ``reduction=0.5`` halves), ``reduce_batch_size_fn()`` honoured, the same TypeError when
+the caller passes the batch size, and the same RuntimeError when the size reaches zero (also for
+``starting_batch_size=0``, at the call). A generator or coroutine function is refused at
+decoration (its body would run outside the decorator, never retried). And:
 
 - :func:`is_out_of_memory` knows ``torch.OutOfMemoryError`` by type on any device, Python's
   ``MemoryError``, and the known messages (CUDA/HIP/XPU, MPS, the CPU allocator, cuDNN
@@ -74,11 +78,17 @@ class BatchSizeNotFoundError(RuntimeError):
 
     def __init__(self, tried, minimum, last_error):
         self.tried, self.minimum, self.last_error = list(tried), minimum, last_error
-        steps = ", ".join(f"{s} ({o})" for s, o in self.tried)
-        super().__init__(f"{_WHERE}: no batch size fits: the next size would be below "
-                         f"minimum_batch_size={minimum}. Tried: {steps}. Last out-of-memory "
-                         f"error: {last_error}. Lower minimum_batch_size, free memory or shrink "
-                         f"the model.")
+        # Accelerate's sentence first: scripts and tests match on it.
+        head = ("No executable batch size found, reached zero." if minimum <= 1 else
+                f"No executable batch size found, the next size would be below "
+                f"minimum_batch_size={minimum}.")
+        if self.tried:
+            steps = ", ".join(f"{s} ({o})" for s, o in self.tried)
+            body = (f"tried {steps}. Last out-of-memory error: {last_error}. Lower "
+                    f"minimum_batch_size, free memory or shrink the model.")
+        else:  # nothing to try: starting_batch_size (snapped to global_batch_size) is too small
+            body = f"{last_error}; pass a larger starting_batch_size."
+        super().__init__(f"{head} {_WHERE}: {body}")
 
 
 class PeerFailedError(RuntimeError):
@@ -121,8 +131,10 @@ def _drop_frames(exc):
         exc = exc.__cause__ or exc.__context__
 
 
-def release_memory():
-    """Collect garbage and return cached device blocks to the driver."""
+def release_memory(*objects):
+    """Collect garbage and return cached device blocks to the driver. Accelerate's call style:
+    ``a, b = release_memory(a, b)`` returns one None per object, to rebind the caller's names."""
+    objects = [None] * len(objects)   # drop this frame's references before collecting
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
@@ -133,6 +145,7 @@ def release_memory():
                 backend.empty_cache()
         except Exception:  # noqa: BLE001 - a backend without a cache must not stop the search
             pass
+    return objects
 
 
 def device_memory():
@@ -383,9 +396,10 @@ def _whole(name, value, minimum):
 
 
 def _validate(starting, reduce_fn, minimum, reduction, search, margin, global_batch):
-    starting = _whole("starting_batch_size", starting, 1)
+    # 0 is accepted here and raises at the call, as Accelerate does ("reached zero").
+    starting = _whole("starting_batch_size", starting, 0)
     minimum = _whole("minimum_batch_size", minimum, 1)
-    if minimum > starting:
+    if starting and minimum > starting:
         raise OptionError("minimum_batch_size", minimum,
                           f"pass at most starting_batch_size={starting}", where=_WHERE)
     if reduce_fn is not None and not callable(reduce_fn):
@@ -533,7 +547,7 @@ class _Finder:
     def reset(self, starting_batch_size=None):
         """Forget the size found; the next call searches again (from starting_batch_size)."""
         if starting_batch_size is not None:
-            self.batch_size = _whole("starting_batch_size", starting_batch_size, 1)
+            self.batch_size = _whole("starting_batch_size", starting_batch_size, 0)
         self.succeeded = False
 
     def __call__(self, *args, **kwargs):
@@ -555,7 +569,9 @@ class _Finder:
         if ex is not None:  # every rank starts from the smallest starting size
             size = min(r[1] for r in ex.round(_START, size))
         if size < self.minimum:
-            raise BatchSizeNotFoundError([], self.minimum, f"no allowed size from {self.batch_size}")
+            start = f"starting_batch_size={self.batch_size}" + (
+                f" (largest divisor of {per_rank} per rank: {size})" if per_rank is not None else "")
+            raise BatchSizeNotFoundError([], self.minimum, f"{start} leaves nothing to try")
         best_result, last_error = None, None
         release_memory()
         while True:
@@ -622,8 +638,8 @@ class _Finder:
                 search.best = size
                 best_result = result
             nxt = _agree_next(rows, failed)
-            if failed:
-                self._log("warning", self._retry_line(size, failed_ranks, ex, mem, nxt, last_text))
+            if failed:  # one line per try: info (0.9 steps make many); the summary warns
+                self._log("info", self._retry_line(size, failed_ranks, ex, mem, nxt, last_text))
             result = None
             if nxt == -1:
                 raise BatchSizeNotFoundError(search.tried, self.minimum, last_text) from last_error
@@ -648,8 +664,25 @@ class _Finder:
         return f"batch size {size} failed{where}{memory}: {text.splitlines()[0] if text else ''}; {then}"
 
 
+def _check_retryable(function):
+    """A generator or coroutine function returns at once, before any of its body runs: its
+    out-of-memory errors come later, outside the decorator, and would never be retried."""
+    kind = ("an async generator function" if inspect.isasyncgenfunction(function) else
+            "a coroutine function (async def)" if inspect.iscoroutinefunction(function) else
+            "a generator function" if inspect.isgeneratorfunction(function) else None)
+    if kind is None:
+        return
+    name = getattr(function, "__qualname__", None) or repr(function)
+    raise TypeError(
+        f"{_WHERE} cannot retry `{name}`: it is {kind}, so calling it only creates a "
+        f"{'coroutine' if 'coroutine' in kind else 'generator'} and its out-of-memory errors "
+        f"happen later, while it is iterated or awaited, outside the decorator. Decorate a plain "
+        f"function that runs the whole training (collect what the generator yields into a list "
+        f"and return it; run async code with asyncio.run inside a plain function).")
+
+
 def find_executable_batch_size(function=None, starting_batch_size=128, reduce_batch_size_fn=None,
-                               *, minimum_batch_size=1, reduction=0.5, search="down", margin=None,
+                               *, minimum_batch_size=1, reduction=0.9, search="down", margin=None,
                                global_batch_size=None):
     """Call ``function(batch_size, *args, **kwargs)`` with smaller batch sizes until it runs
     without running out of memory (Accelerate-compatible decorator, see the module docstring).
@@ -660,7 +693,8 @@ def find_executable_batch_size(function=None, starting_batch_size=128, reduce_ba
         reduce_batch_size_fn: a function of no argument returning the next size after a failure
             (called on the ranks that failed; every rank uses the smallest proposed).
         minimum_batch_size: going below it raises :class:`BatchSizeNotFoundError`.
-        reduction: the factor a size is multiplied by after a failure (default halves).
+        reduction: the factor a size is multiplied by after a failure (``int(size *
+            reduction)``): 0.9 by default, as Accelerate 1.x; 0.5 halves (Accelerate's guide).
         search: ``"down"`` stops at the first size that runs; ``"binary"`` then searches between
             it and the smallest failed size for the largest that runs.
         margin: keep this fraction of device memory free (CUDA; peak over total), by retrying one
@@ -675,6 +709,7 @@ def find_executable_batch_size(function=None, starting_batch_size=128, reduce_ba
                                  reduce_batch_size_fn=reduce_batch_size_fn,
                                  minimum_batch_size=minimum_batch_size, reduction=reduction,
                                  search=search, margin=margin, global_batch_size=global_batch_size)
+    _check_retryable(function)
     finder = _Finder(function, options[0], reduce_batch_size_fn, *options[1:])
 
     @functools.wraps(function)

@@ -164,7 +164,7 @@ def scenario_ddp_backward(rank, world):
 
     tried, ooms = [], [0]
 
-    @numguard.find_executable_batch_size(starting_batch_size=128)
+    @numguard.find_executable_batch_size(starting_batch_size=128, reduction=0.5)
     def train(batch_size):
         tried.append(batch_size)
         try:
@@ -204,7 +204,8 @@ def scenario_global_batch(rank, world):
 
     calls = []
 
-    @numguard.find_executable_batch_size(starting_batch_size=128, global_batch_size=96)
+    @numguard.find_executable_batch_size(starting_batch_size=128, global_batch_size=96,
+                                         reduction=0.5)
     def train(batch_size, accumulation_steps):
         calls.append([batch_size, accumulation_steps])
         if batch_size > (100 if rank == 0 else 20):
@@ -235,7 +236,7 @@ def scenario_binary(rank, world):
 
     tried = []
 
-    @numguard.find_executable_batch_size(starting_batch_size=128, search="binary")
+    @numguard.find_executable_batch_size(starting_batch_size=128, search="binary", reduction=0.5)
     def train(batch_size):
         tried.append(batch_size)
         if batch_size > (100 if rank == 0 else 70):
@@ -250,7 +251,8 @@ def scenario_minimum(rank, world):
 
     tried = []
 
-    @numguard.find_executable_batch_size(starting_batch_size=16, minimum_batch_size=4)
+    @numguard.find_executable_batch_size(starting_batch_size=16, minimum_batch_size=4,
+                                         reduction=0.5)
     def train(batch_size):
         tried.append(batch_size)
         if rank == 0:
