@@ -371,3 +371,60 @@ def test_stuck_rank_fails_with_the_oom_rank_named(two_ranks):
     assert r0["exc"] == "PeerFailedError" and r0["rank"] == 1 and r0["oom"]
     assert r1["exc"] in ("BatchSizeTimeoutError", "PeerFailedError")
     assert "rank 1" in r1["msg"] and "out of memory" in r1["msg"]
+
+
+def test_ddp_optimizer_step_oom_with_guard_ddp_both_ranks_retry(two_ranks):
+    # rank 1 runs out in step 0's optimizer step while rank 0 goes into step 1's forward, where
+    # DDP rebuilds its buckets and broadcasts the BatchNorm buffers
+    r0, r1 = (r["ddp_optimizer"] for r in two_ranks)
+    assert r0["tried"] == r1["tried"] == [128, 64, 32]
+    assert r0["ok"] == r1["ok"]                 # the same parameters after two DDP steps
+
+
+@pytest.mark.parametrize("where", ["backward", "optimizer"])
+def test_plain_ddp_model_built_inside_is_guarded_without_asking(two_ranks, where):
+    r0, r1 = (r[f"plain_ddp_{where}"] for r in two_ranks)
+    assert r0["tried"] == r1["tried"] == [128, 64, 32]
+    assert "ok" in r0 and r0["ok"] == r1["ok"]
+
+
+def test_forward_that_communicates_nothing_gets_no_round(two_ranks):
+    # rank 0 alone evaluates the DDP model under no_grad after the buckets are rebuilt
+    r0, r1 = (r["eval_on_rank0"] for r in two_ranks)
+    assert r0["ok"] == r1["ok"] == 32 and r0["tried"] == r1["tried"] == [128, 64, 32]
+
+
+def test_accelerate_prepare_inside_the_function_just_works():
+    pytest.importorskip("accelerate")
+    r0, r1 = memory_workers.run("accelerate_prepare", 2, timeout=240)
+    assert r0["distributed_type"].endswith("MULTI_CPU")
+    assert r0["tried"] == r1["tried"] == [128, 64, 32]
+    assert "ok" in r0 and r0["ok"] == r1["ok"]
+
+
+def test_timeout_advice_names_guard_ddp_only_when_it_is_not_in_place():
+    from types import SimpleNamespace
+
+    def advice(guarded, unwatched=()):
+        return memory._Exchange.advice(SimpleNamespace(ddp_guarded=guarded,
+                                                       ddp_unwatched=list(unwatched)))
+
+    assert "guard_ddp(model)" in advice(0) and "inside the decorated function" in advice(0)
+    watched = advice(3)
+    assert "guard_ddp" not in watched and "collective of the function's own" in watched
+    own_hook = advice(1, ["the model has a communication hook of its own (x); pass it to "
+                          "numguard.memory.guard_ddp(model, comm_hook=hook, state=state)"])
+    assert "not its gradient buckets" in own_hook and "comm_hook=hook" in own_hook
+
+
+def test_guard_ddp_runs_the_users_hook_after_numguards_round():
+    calls = []
+    hook = memory._WrappedCommHook(lambda state, bucket: calls.append((state, bucket)) or "fut",
+                                   "my state")
+    assert hook(None, "bucket") == "fut" and calls == [("my state", "bucket")]
+
+
+def test_the_search_creates_no_torch_group(two_ranks):
+    # torch.distributed.new_group renumbers the user's later groups: the finder builds its own
+    for r in two_ranks:
+        assert r["ddp_optimizer"]["groups_before"] == r["ddp_optimizer"]["groups_after"]
