@@ -151,6 +151,113 @@ def ddp_step(batch_size, rank, limit, guard):
     return [round(p.grad.sum().item(), 5) for p in ddp.parameters()]
 
 
+class NetWithBuffers(Net):
+    """Net with a BatchNorm: DDP broadcasts its buffers before each training forward."""
+
+    def __init__(self, limit, rank):
+        super().__init__(limit, rank)
+        self.norm = torch.nn.BatchNorm1d(64)
+
+    def forward(self, x):
+        return self.last(OutOfMemoryInBackward.apply(self.norm(self.first(x)), self.limit,
+                                                     self.rank))
+
+
+def ddp_train(batch_size, rank, limit, where, guard, steps=2, prepare=None):
+    """``steps`` DDP training steps; above ``limit`` this rank runs out of memory in the
+    backward of step 0 (``where="backward"``) or in its optimizer step (``"optimizer"``: the
+    other rank goes on into step 1's forward, where DDP rebuilds its buckets and broadcasts
+    buffers). ``prepare(model, optimizer)`` wraps them instead of DDP (accelerator.prepare).
+    Returns the parameter sums after the steps (equal on every rank)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net = NetWithBuffers(limit if where == "backward" else 10**9, rank)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    if prepare is not None:
+        model, opt = prepare(net, opt)
+    else:
+        model = DDP(net, bucket_cap_mb=0.001)   # small buckets: several all_reduces
+    if guard:
+        from numguard.memory import guard_ddp
+        guard_ddp(model)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(steps):
+        opt.zero_grad()
+        model(torch.randn(batch_size, 8, generator=gen)).square().mean().backward()
+        if where == "optimizer" and step == 0 and batch_size > limit:
+            raise _oom(batch_size, rank)   # as Adam's first step allocating its state
+        opt.step()
+    return [round(p.detach().sum().item(), 4) for p in model.parameters()]
+
+
+def _search(rank, step):
+    """Decorate ``step(batch_size)`` (halving from 128); returns what the tests compare."""
+    import numguard
+
+    tried = []
+
+    @numguard.find_executable_batch_size(starting_batch_size=128, reduction=0.5)
+    def train(batch_size):
+        tried.append(batch_size)
+        return step(batch_size)
+
+    return _catch(train) | {"tried": tried}
+
+
+def scenario_ddp_optimizer(rank, world):
+    """guard_ddp in place; rank 1 runs out of memory in the optimizer step of step 0."""
+    from torch.distributed import distributed_c10d as c10d
+
+    before = c10d._world.group_count
+    res = _search(rank, lambda b: ddp_train(b, rank, 1000 if rank == 0 else 40, "optimizer",
+                                            guard=True))
+    return res | {"groups_before": before, "groups_after": c10d._world.group_count}
+
+
+def scenario_plain_ddp_backward(rank, world):
+    """A plain DDP model built inside the function (no guard_ddp); rank 1 out in backward."""
+    return _search(rank, lambda b: ddp_train(b, rank, 1000 if rank == 0 else 40, "backward",
+                                             guard=False))
+
+
+def scenario_plain_ddp_optimizer(rank, world):
+    return _search(rank, lambda b: ddp_train(b, rank, 1000 if rank == 0 else 40, "optimizer",
+                                             guard=False))
+
+
+def scenario_eval_on_rank0(rank, world):
+    """After the search's training step, rank 0 alone evaluates the DDP model under no_grad
+    (DDP communicates nothing there): numguard must not wait for rank 1 in that forward."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def step(batch_size):
+        torch.manual_seed(0)
+        ddp = DDP(Net(1000 if rank == 0 else 40, rank), bucket_cap_mb=0.001)
+        for _ in range(2):   # the second forward rebuilds the buckets
+            ddp(torch.randn(batch_size, 8)).square().mean().backward()
+        if rank == 0:
+            with torch.no_grad():
+                ddp(torch.randn(batch_size, 8))
+        return batch_size
+
+    return _search(rank, step)
+
+
+def scenario_accelerate_prepare(rank, world):
+    """Accelerate's recipe: accelerator.prepare inside the decorated function, nothing else."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+
+    def prepare(model, optimizer):
+        return accelerator.prepare(model, optimizer)
+
+    res = _search(rank, lambda b: ddp_train(b, rank, 1000 if rank == 0 else 40, "backward",
+                                            guard=False, prepare=prepare))
+    return res | {"distributed_type": str(accelerator.distributed_type)}
+
+
 def _catch(fn):
     try:
         return {"ok": fn()}
@@ -164,7 +271,7 @@ def scenario_ddp_backward(rank, world):
 
     tried, ooms = [], [0]
 
-    @numguard.find_executable_batch_size(starting_batch_size=128)
+    @numguard.find_executable_batch_size(starting_batch_size=128, reduction=0.5)
     def train(batch_size):
         tried.append(batch_size)
         try:
@@ -204,7 +311,8 @@ def scenario_global_batch(rank, world):
 
     calls = []
 
-    @numguard.find_executable_batch_size(starting_batch_size=128, global_batch_size=96)
+    @numguard.find_executable_batch_size(starting_batch_size=128, global_batch_size=96,
+                                         reduction=0.5)
     def train(batch_size, accumulation_steps):
         calls.append([batch_size, accumulation_steps])
         if batch_size > (100 if rank == 0 else 20):
@@ -235,7 +343,7 @@ def scenario_binary(rank, world):
 
     tried = []
 
-    @numguard.find_executable_batch_size(starting_batch_size=128, search="binary")
+    @numguard.find_executable_batch_size(starting_batch_size=128, search="binary", reduction=0.5)
     def train(batch_size):
         tried.append(batch_size)
         if batch_size > (100 if rank == 0 else 70):
@@ -250,7 +358,8 @@ def scenario_minimum(rank, world):
 
     tried = []
 
-    @numguard.find_executable_batch_size(starting_batch_size=16, minimum_batch_size=4)
+    @numguard.find_executable_batch_size(starting_batch_size=16, minimum_batch_size=4,
+                                         reduction=0.5)
     def train(batch_size):
         tried.append(batch_size)
         if rank == 0:
@@ -279,7 +388,8 @@ def scenario_stuck(rank, world):
 
 def scenario_all(rank, world):
     out = {}
-    for name in ("ddp_backward", "global_batch", "non_oom", "after_success", "binary", "minimum",
+    for name in ("ddp_backward", "ddp_optimizer", "plain_ddp_backward", "plain_ddp_optimizer",
+                 "eval_on_rank0", "global_batch", "non_oom", "after_success", "binary", "minimum",
                  "stuck"):
         out[name] = globals()["scenario_" + name](rank, world)
     return out

@@ -65,7 +65,8 @@ def test_other_errors_are_not_out_of_memory(exc):
 
 def test_decorator_with_arguments_halves_until_it_fits():
     tried = []
-    f = numguard.find_executable_batch_size(starting_batch_size=128)(limited(40, tried))
+    f = numguard.find_executable_batch_size(starting_batch_size=128, reduction=0.5)(
+        limited(40, tried))
     assert f("a", k=1) == ("done", 32, ("a",), {"k": 1})
     assert tried == [128, 64, 32]
 
@@ -104,7 +105,8 @@ def test_non_oom_error_propagates_untouched_on_the_first_try():
 def test_minimum_reached_lists_every_size_and_the_message():
     tried = []
     f = numguard.find_executable_batch_size(limited(0, tried, lambda s: RuntimeError(CPU_OOM)),
-                                            starting_batch_size=40, minimum_batch_size=8)
+                                            starting_batch_size=40, minimum_batch_size=8,
+                                            reduction=0.5)
     with pytest.raises(memory.BatchSizeNotFoundError) as info:
         f()
     assert tried == [40, 20, 10]
@@ -122,10 +124,63 @@ def test_reduction_factor():
     assert tried == [100, 90, 81, 72, 64, 57, 51, 45]   # int(size * 0.9) each time
 
 
+def test_default_back_off_is_accelerates_0_9():
+    tried = []
+    f = numguard.find_executable_batch_size(limited(50, tried), starting_batch_size=100)
+    assert f()[1] == 45
+    assert tried == [100, 90, 81, 72, 64, 57, 51, 45]
+
+
+def test_starting_size_zero_decorates_and_raises_at_the_call():
+    calls = []
+    f = numguard.find_executable_batch_size(starting_batch_size=0)(lambda b: calls.append(b))
+    with pytest.raises(memory.BatchSizeNotFoundError) as info:
+        f()
+    assert isinstance(info.value, RuntimeError) and calls == []
+    assert info.value.args[0].startswith("No executable batch size found, reached zero.")
+    assert "starting_batch_size=0" in str(info.value)
+
+
+def test_reaching_zero_says_so_like_accelerate():
+    tried = []
+    f = numguard.find_executable_batch_size(limited(0, tried), starting_batch_size=3)
+    with pytest.raises(RuntimeError, match=r"^No executable batch size found, reached zero\.") \
+            as info:
+        f()
+    assert tried == [3, 2, 1] and "3 (out of memory), 2 (out of memory), 1 (out of memory)" in \
+        str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["generator", "coroutine", "async generator"])
+def test_generator_and_coroutine_functions_are_refused_at_decoration(kind):
+    if kind == "generator":
+        def train(batch_size):
+            yield batch_size
+    elif kind == "coroutine":
+        async def train(batch_size):
+            return batch_size
+    else:
+        async def train(batch_size):
+            yield batch_size
+    with pytest.raises(TypeError) as info:
+        numguard.find_executable_batch_size(starting_batch_size=8)(train)
+    msg = str(info.value)
+    assert "`test_generator_and_coroutine_functions_are_refused_at_decoration.<locals>.train`" in msg
+    assert f"it is a{'n' if kind.startswith('a') else ''} {kind}" in msg and "plain function" in msg
+    with pytest.raises(TypeError, match="cannot retry"):   # the function= style too
+        numguard.find_executable_batch_size(function=train, starting_batch_size=8)
+
+
+def test_release_memory_takes_accelerates_arguments():
+    a, b = torch.ones(3), torch.ones(4)
+    assert memory.release_memory(a, b) == [None, None]
+    assert memory.release_memory() == []
+
+
 def test_binary_search_finds_the_largest_size_that_fits():
     tried = []
     f = numguard.find_executable_batch_size(limited(70, tried), starting_batch_size=128,
-                                            search="binary")
+                                            search="binary", reduction=0.5)
     assert f()[1] == 70
     # down to the first size that runs, then midpoints between it and the smallest failure
     assert tried == [128, 64, 96, 80, 72, 68, 70, 71]
@@ -141,7 +196,7 @@ def test_binary_search_never_goes_above_a_starting_size_that_fits():
 def test_found_size_is_remembered_and_a_later_oom_is_raised():
     tried, limit = [], [40]
 
-    @numguard.find_executable_batch_size(starting_batch_size=128)
+    @numguard.find_executable_batch_size(starting_batch_size=128, reduction=0.5)
     def train(batch_size):
         tried.append(batch_size)
         if batch_size > limit[0]:
@@ -166,7 +221,8 @@ def test_found_size_is_remembered_and_a_later_oom_is_raised():
 def test_global_batch_keeps_the_product_and_tries_only_divisors():
     seen = []
 
-    @numguard.find_executable_batch_size(starting_batch_size=128, global_batch_size=96)
+    @numguard.find_executable_batch_size(starting_batch_size=128, global_batch_size=96,
+                                         reduction=0.5)
     def train(batch_size, accumulation_steps, tag):
         seen.append((batch_size, accumulation_steps))
         if batch_size > 20:
@@ -206,7 +262,7 @@ def test_margin_retries_one_step_smaller(monkeypatch):
     monkeypatch.setattr(memory, "device_memory", lambda: (0, peaks[current["s"]], total))
     tried = []
 
-    @numguard.find_executable_batch_size(starting_batch_size=128, margin=0.1)
+    @numguard.find_executable_batch_size(starting_batch_size=128, margin=0.1, reduction=0.5)
     def train(batch_size):
         current["s"] = batch_size
         tried.append(batch_size)
@@ -216,7 +272,7 @@ def test_margin_retries_one_step_smaller(monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs, name", [
-    ({"starting_batch_size": 0}, "starting_batch_size"),
+    ({"starting_batch_size": -1}, "starting_batch_size"),
     ({"starting_batch_size": 8.0}, "starting_batch_size"),
     ({"minimum_batch_size": 0}, "minimum_batch_size"),
     ({"starting_batch_size": 4, "minimum_batch_size": 8}, "minimum_batch_size"),
@@ -238,13 +294,14 @@ def test_bad_arguments_name_the_value_and_what_is_accepted(kwargs, name):
 # memory really freed between tries
 
 def test_retry_does_not_see_the_previous_tries_tensors():
-    decorate = numguard.find_executable_batch_size(starting_batch_size=64)
+    decorate = numguard.find_executable_batch_size(starting_batch_size=64, reduction=0.5)
     assert memory_workers.tensors_alive_at_each_try(decorate, limit=16) == [0, 0, 0]
 
 
 def test_retry_line_and_summary_are_logged(caplog):
     tried = []
-    f = numguard.find_executable_batch_size(limited(40, tried), starting_batch_size=128)
+    f = numguard.find_executable_batch_size(limited(40, tried), starting_batch_size=128,
+                                            reduction=0.5)
     with caplog.at_level(logging.INFO, logger="numguard.memory"):
         f()
     lines = [r.getMessage() for r in caplog.records if r.name == "numguard.memory"]
@@ -314,3 +371,60 @@ def test_stuck_rank_fails_with_the_oom_rank_named(two_ranks):
     assert r0["exc"] == "PeerFailedError" and r0["rank"] == 1 and r0["oom"]
     assert r1["exc"] in ("BatchSizeTimeoutError", "PeerFailedError")
     assert "rank 1" in r1["msg"] and "out of memory" in r1["msg"]
+
+
+def test_ddp_optimizer_step_oom_with_guard_ddp_both_ranks_retry(two_ranks):
+    # rank 1 runs out in step 0's optimizer step while rank 0 goes into step 1's forward, where
+    # DDP rebuilds its buckets and broadcasts the BatchNorm buffers
+    r0, r1 = (r["ddp_optimizer"] for r in two_ranks)
+    assert r0["tried"] == r1["tried"] == [128, 64, 32]
+    assert r0["ok"] == r1["ok"]                 # the same parameters after two DDP steps
+
+
+@pytest.mark.parametrize("where", ["backward", "optimizer"])
+def test_plain_ddp_model_built_inside_is_guarded_without_asking(two_ranks, where):
+    r0, r1 = (r[f"plain_ddp_{where}"] for r in two_ranks)
+    assert r0["tried"] == r1["tried"] == [128, 64, 32]
+    assert "ok" in r0 and r0["ok"] == r1["ok"]
+
+
+def test_forward_that_communicates_nothing_gets_no_round(two_ranks):
+    # rank 0 alone evaluates the DDP model under no_grad after the buckets are rebuilt
+    r0, r1 = (r["eval_on_rank0"] for r in two_ranks)
+    assert r0["ok"] == r1["ok"] == 32 and r0["tried"] == r1["tried"] == [128, 64, 32]
+
+
+def test_accelerate_prepare_inside_the_function_just_works():
+    pytest.importorskip("accelerate")
+    r0, r1 = memory_workers.run("accelerate_prepare", 2, timeout=240)
+    assert r0["distributed_type"].endswith("MULTI_CPU")
+    assert r0["tried"] == r1["tried"] == [128, 64, 32]
+    assert "ok" in r0 and r0["ok"] == r1["ok"]
+
+
+def test_timeout_advice_names_guard_ddp_only_when_it_is_not_in_place():
+    from types import SimpleNamespace
+
+    def advice(guarded, unwatched=()):
+        return memory._Exchange.advice(SimpleNamespace(ddp_guarded=guarded,
+                                                       ddp_unwatched=list(unwatched)))
+
+    assert "guard_ddp(model)" in advice(0) and "inside the decorated function" in advice(0)
+    watched = advice(3)
+    assert "guard_ddp" not in watched and "collective of the function's own" in watched
+    own_hook = advice(1, ["the model has a communication hook of its own (x); pass it to "
+                          "numguard.memory.guard_ddp(model, comm_hook=hook, state=state)"])
+    assert "not its gradient buckets" in own_hook and "comm_hook=hook" in own_hook
+
+
+def test_guard_ddp_runs_the_users_hook_after_numguards_round():
+    calls = []
+    hook = memory._WrappedCommHook(lambda state, bucket: calls.append((state, bucket)) or "fut",
+                                   "my state")
+    assert hook(None, "bucket") == "fut" and calls == [("my state", "bucket")]
+
+
+def test_the_search_creates_no_torch_group(two_ranks):
+    # torch.distributed.new_group renumbers the user's later groups: the finder builds its own
+    for r in two_ranks:
+        assert r["ddp_optimizer"]["groups_before"] == r["ddp_optimizer"]["groups_after"]
