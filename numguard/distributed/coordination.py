@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as _c10d
 
+from .. import schema
 from ._env import dist_timeout
 from .errors import DistributedOperationException, DistributedTimeoutError, DistributedWarning
 from .rendezvous import Rendezvous
@@ -823,17 +824,26 @@ def last_exchange(group=None) -> dict:
 
 class TripDetail(tuple):
     """``(rank, module name or None)`` of a rank that tripped, as a 2-tuple; ``.batch`` is the
-    batch number that rank reported (None when unknown)."""
+    batch number that rank reported (None when unknown), ``.kind`` what its first non-finite
+    value was (one of schema.FAULT_KINDS, None when unknown), ``.ordinal`` how many frames of
+    that kind came before it in its batch, ``.labels`` its offending labels."""
 
-    def __new__(cls, rank_: int, module: str | None, batch: int | None = None):
+    def __new__(cls, rank_: int, module: str | None, batch: int | None = None,
+                kind: str | None = None, ordinal: int = 0, labels=()):
         self = super().__new__(cls, (rank_, module))
         self.batch = batch
+        self.kind = kind
+        self.ordinal = ordinal
+        self.labels = list(labels)
         return self
 
 
-_DETAIL_WORDS = 64  # 3 header words + 61 * 8 bytes of module name
-_DETAIL_MAGIC = 0x4E47_5452  # "NGTR"
+_DETAIL_HEADER = 4  # magic, batch, info (flags, kind, name and labels lengths), ordinal
+_DETAIL_WORDS = 64  # the header + 60 * 8 bytes of module name and labels
+_DETAIL_CAPACITY = (_DETAIL_WORDS - _DETAIL_HEADER) * 8
+_DETAIL_MAGIC = 0x4E47_5453  # "NGTS"
 _TRUNC_MARK = "..."
+_NO_KIND_ORDER = len(schema.FAULT_KINDS)
 
 
 def _encode_name(name: str, capacity: int) -> bytes:
@@ -841,28 +851,64 @@ def _encode_name(name: str, capacity: int) -> bytes:
     if len(raw) <= capacity:
         return raw
     mark = _TRUNC_MARK.encode()
-    cut = raw[: capacity - len(mark)].decode("utf-8", errors="ignore").encode("utf-8")
+    cut = raw[: max(0, capacity - len(mark))].decode("utf-8", errors="ignore").encode("utf-8")
     return cut + mark
 
 
+def _kind_order(kind) -> int:
+    return schema.FAULT_KINDS.index(kind) if kind in schema.FAULT_KINDS else _NO_KIND_ORDER
+
+
+def earliest_fault(details):
+    """The :class:`TripDetail` of the fault that came first, or None for none: the earliest
+    batch, then the earliest kind of a step (NOTE: [earliest fault]), then the earliest frame of
+    that kind in the batch, then the lowest rank. Every rank gets the same details from
+    :func:`gather_trip_details`, so every rank names the same fault."""
+    # NOTE: [earliest fault]
+    # A NaN made on one rank reaches the others through the collectives after it: with DDP the
+    # gradient all_reduce writes rank 1's NaN into rank 0's parameter gradients, so at the
+    # optimizer step's check both ranks have tripped, rank 0 in "[every parameter].grad". The
+    # ranks cannot compare clocks, but they run the same step: a forward fault comes before any
+    # gradient, a gradient tapped in the backward before the parameter gradients a collective
+    # reduced, and within a kind the ranks' frames come in the same order (a collective in the
+    # forward, such as SyncBatchNorm, carries a NaN to a later frame of the other ranks).
+    # Nothing of this costs a healthy batch anything: it rides in the trip details record, which
+    # is exchanged only once a rank has tripped.
+    def key(d):
+        batch = d.batch if d.batch is not None else 2 ** 62
+        return (batch, _kind_order(d.kind), d.ordinal, d[0])
+
+    tripped = [d for d in details if d is not None]
+    return min(tripped, key=key) if tripped else None
+
+
 def gather_trip_details(module_name: str | None, batch_number: int, group=None,
-                        tripped: bool | None = None) -> list[TripDetail]:
+                        tripped: bool | None = None, *, kind: str | None = None,
+                        ordinal: int = 0, labels=()) -> list[TripDetail]:
     """After :func:`exchange_trip` showed a trip, share which module tripped on which rank.
 
     Called on every rank (one all_gather of a fixed-size int64 record, after a store
     rendezvous). ``module_name`` is this rank's first offending module (None when this rank did
-    not trip); ``tripped`` defaults to ``module_name is not None``. Returns
-    ``[(rank, module_name_or_None), ...]`` (:class:`TripDetail`, with ``.batch``) for the ranks
-    that tripped, in rank order. Names longer than 485 bytes are truncated and end with ``...``.
-    When the last exchange was local (a rank did not come) or a rank does not come now, returns
-    this rank's own entry only.
+    not trip); ``tripped`` defaults to ``module_name is not None``; ``kind`` (one of
+    schema.FAULT_KINDS), ``ordinal`` (frames of that kind before it in its batch) and ``labels``
+    (its offending labels) say what that fault was, for :func:`earliest_fault`. Returns
+    ``[(rank, module_name_or_None), ...]`` (:class:`TripDetail`, with ``.batch``, ``.kind``,
+    ``.ordinal``, ``.labels``) for the ranks that tripped, in rank order. Module names longer
+    than 480 bytes are truncated and end with ``...``; labels get what the name leaves of the
+    480 bytes. When the last exchange was local (a rank did not come) or a rank does not come
+    now, returns this rank's own entry only.
     """
     if tripped is None:
         tripped = module_name is not None
+    if kind is not None and kind not in schema.FAULT_KINDS:
+        raise ValueError(f"kind={kind!r} is not valid: use one of {schema.FAULT_KINDS} or None.")
+    labels = [str(label) for label in labels]
+    mine = TripDetail(0, module_name, batch_number, kind, int(ordinal), labels)
     if not is_initialized():
-        return [TripDetail(0, module_name, batch_number)] if tripped else []
+        return [mine] if tripped else []
     st = group_state(group)
-    local = [TripDetail(st.rank, module_name, batch_number)] if tripped else []
+    local = [TripDetail(st.rank, module_name, batch_number, kind, int(ordinal), labels)] \
+        if tripped else []
     if st.world == 1:
         return local
     site = call_site()
@@ -873,12 +919,15 @@ def gather_trip_details(module_name: str | None, batch_number: int, group=None,
         if not _meet_everyone(st, what, site, _exchange_grace(None)).complete:
             return local
         hin_b, *_ = st.gather_buffers(_DETAIL_WORDS)
-        payload = b"" if module_name is None else _encode_name(module_name,
-                                                               (_DETAIL_WORDS - 3) * 8)
-        flags = (1 if tripped else 0) | (2 if module_name is not None else 0)
-        struct.pack_into("<qqq", hin_b, 0, _DETAIL_MAGIC, int(batch_number),
-                         flags | (len(payload) << 8))
-        hin_b[24:] = payload.ljust((_DETAIL_WORDS - 3) * 8, b"\0")
+        name = b"" if module_name is None else _encode_name(module_name, _DETAIL_CAPACITY)
+        joined = _encode_name("\0".join(labels), _DETAIL_CAPACITY - len(name)) \
+            if labels and len(name) < _DETAIL_CAPACITY else b""
+        kind_code = 0 if kind is None else schema.FAULT_KINDS.index(kind) + 1
+        info = ((1 if tripped else 0) | (2 if module_name is not None else 0) | (kind_code << 2)
+                | (len(name) << 8) | (len(joined) << 24))
+        struct.pack_into("<qqqq", hin_b, 0, _DETAIL_MAGIC, int(batch_number), info,
+                         int(ordinal))
+        hin_b[_DETAIL_HEADER * 8:] = (name + joined).ljust(_DETAIL_CAPACITY, b"\0")
         try:
             out = timed_all_gather(st, _DETAIL_WORDS, "numguard trip details (all_gather)",
                                    site)
@@ -890,14 +939,19 @@ def gather_trip_details(module_name: str | None, batch_number: int, group=None,
     result = []
     for r in range(st.world):
         base = r * _DETAIL_WORDS * 8
-        magic, batch, info = struct.unpack_from("<qqq", out, base)
+        magic, batch, info, ordinal_r = struct.unpack_from("<qqqq", out, base)
         if magic != _DETAIL_MAGIC or not info & 1:
             continue
-        name = None
+        body = base + _DETAIL_HEADER * 8
+        n_name, n_labels = (info >> 8) & 0xFFFF, (info >> 24) & 0xFFFF
+        name_r = None
         if info & 2:
-            n = info >> 8
-            name = bytes(out[base + 24: base + 24 + n]).decode("utf-8", errors="replace")
-        result.append(TripDetail(r, name, batch))
+            name_r = bytes(out[body: body + n_name]).decode("utf-8", errors="replace")
+        raw = bytes(out[body + n_name: body + n_name + n_labels]).decode("utf-8", "replace")
+        code = (info >> 2) & 0x3F
+        kind_r = schema.FAULT_KINDS[code - 1] if 0 < code <= len(schema.FAULT_KINDS) else None
+        result.append(TripDetail(r, name_r, batch, kind_r, ordinal_r,
+                                 raw.split("\0") if raw else ()))
     return result
 
 
@@ -908,6 +962,7 @@ __all__ = [
     "TripDetail",
     "call_site",
     "collective_device",
+    "earliest_fault",
     "exchange_trip",
     "gather_trip_details",
     "is_initialized",
