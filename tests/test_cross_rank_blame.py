@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
@@ -97,6 +99,63 @@ def test_finite_rank_error_names_the_module_of_the_rank_that_tripped():
 
 
 # ---------------------------------------------------------------------------------------------
+# Cross-rank numbers (numguard.distributed.last_outliers / last_numbers)
+
+def _named(r):
+    return {(o["rank"], o["metric"]) for o in r["outliers"]}
+
+
+@pytest.mark.parametrize("collective", ["batchnorm", "replicas"])
+def test_slow_rank_is_named_when_the_forward_has_a_collective(collective):
+    """Rank 1 is slow before each forward; DDP broadcasts BatchNorm's buffers (or numguard's
+    replica check meets) at the forward's start, where rank 0 waits for it. The wait is rank 1's
+    time, not rank 0's: rank 1 is named, rank 0 is not."""
+    for r in run(f"slow_{collective}"):
+        assert _named(r) == {(1, "step_time")}, r["outliers"]
+        assert r["warnings"] == [], r["warnings"]
+        times = {row["rank"]: row["step_time_s"] for row in r["numbers"]}
+        assert times[1] > 2 * times[0], times
+
+
+def test_healthy_job_with_collectives_in_the_forward_names_nobody():
+    for r in run("healthy_collectives"):
+        assert r["outliers"] == [] and r["warnings"] == [], r
+
+
+def test_rank_whose_loss_is_scaled_is_named_as_gradient_outlier():
+    """Rank 1's loss is x1000: its own gradients are 1000x rank 0's (the parameter gradients
+    after the all_reduce are the same on both ranks and must not hide that)."""
+    for r in run("scaled_loss"):
+        named = _named(r)
+        assert (1, "gradients") in named and all(rank == 1 for rank, _ in named), r["outliers"]
+        entry = next(o for o in r["outliers"] if o["metric"] == "gradients")
+        assert entry["ratio"] > 100
+        assert r["warnings"] == []
+
+
+def test_evaluation_on_rank_0_alone_takes_no_part_and_warns_nothing():
+    """Between training steps rank 0 evaluates alone under no_grad, through DDP and through its
+    inner module, while rank 1 waits in a barrier: no warning on either rank ("did not come",
+    "paired batch"), rank 0 is not a step-time outlier, and training checks still pair up."""
+    results = run("eval_rank0")
+    for r in results:
+        assert r["warnings"] == [], r["warnings"]
+        assert r["outliers"] == [], r["outliers"]
+        assert r["last_exchange"]["complete"]
+    # the evaluation's batches are counted on rank 0 only: rank 0 is further along
+    b0, b1 = results[0]["last_exchange"]["batches"]
+    assert b0 - b1 == results[0]["eval_batches"] > 0
+
+
+def test_replica_finding_prints_no_buffer_warning():
+    """numguard's replica check names a nudged parameter without PyTorch's 'buffer is not
+    writable' UserWarning (or any other warning but its own finding)."""
+    for r in run("replica_nudge"):
+        assert len(r["divergence"]) == 1 and "fc2.weight" in r["divergence"][0], r
+        assert r["other_warnings"] == [], r["other_warnings"]
+
+
+# ---------------------------------------------------------------------------------------------
 # Rank side
 
 def _model(torch):
@@ -164,7 +223,91 @@ def _finite_rank(rank, world):
     return res
 
 
-SCENARIOS = {"forward_fault": _forward_fault, "finite_rank": _finite_rank}
+def _numbers_job(rank, world, scenario):
+    """DDP training with backward=True; what the cross-rank numbers named, and numguard's warnings."""
+    import time
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    import numguard
+    import numguard.distributed as ngd
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 32)]
+    if scenario in ("slow_batchnorm", "healthy_collectives"):
+        layers.append(torch.nn.BatchNorm1d(32))
+    layers += [torch.nn.Tanh(), torch.nn.Linear(32, 4)]
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*layers))
+    replicas = 1 if scenario in ("slow_replicas", "healthy_collectives") else 0
+    insp = numguard.watch(ddp, backward=True, replicas=replicas, report_to=None)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(rank)
+    res = {"eval_batches": 0}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(8):
+            if scenario.startswith("slow_") and rank == 1:
+                time.sleep(0.15)  # a slow data loader
+            if scenario == "eval_rank0" and step in (2, 3, 4, 5):
+                if rank == 0:
+                    ddp.eval()
+                    with torch.no_grad():
+                        for _ in range(2):
+                            ddp(torch.randn(16, 8, generator=g))
+                            ddp.module(torch.randn(16, 8, generator=g))
+                            res["eval_batches"] += 1
+                            time.sleep(0.1)
+                    ddp.train()
+                dist.barrier()
+            loss = ddp(torch.randn(16, 8, generator=g)).pow(2).mean()
+            if scenario == "scaled_loss" and rank == 1:
+                loss = loss * 1000
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    res["warnings"] = [str(w.message) for w in caught]
+    res["outliers"] = ngd.last_outliers()
+    res["numbers"] = ngd.last_numbers()
+    res["last_exchange"] = ngd.last_exchange()
+    insp.close(check=False)
+    return res
+
+
+def _replica_nudge(rank, world):
+    import warnings
+
+    import torch
+
+    import numguard
+    torch.manual_seed(0)
+    from collections import OrderedDict
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(OrderedDict(
+        fc1=torch.nn.Linear(8, 16), act=torch.nn.Tanh(), fc2=torch.nn.Linear(16, 4))))
+    insp = numguard.watch(ddp, replicas=1, on_trip="warn", report_to=None)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            if step == 2 and rank == 1:
+                with torch.no_grad():
+                    w = ddp.module.fc2.weight
+                    w[1, 3] = torch.nextafter(w[1, 3], torch.tensor(float("inf")))
+            ddp(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    insp.close(check=False)
+    messages = [str(w.message) for w in caught]
+    divergence = [m for m in messages if "diverged" in m]
+    return {"divergence": divergence, "other_warnings": [m for m in messages if m not in divergence]}
+
+
+SCENARIOS = {"forward_fault": _forward_fault, "finite_rank": _finite_rank,
+             "replica_nudge": _replica_nudge}
+for _name in ("slow_batchnorm", "slow_replicas", "healthy_collectives", "scaled_loss", "eval_rank0"):
+    SCENARIOS[_name] = (lambda name: lambda rank, world: _numbers_job(rank, world, name))(_name)
+
 
 
 def worker(scenario):

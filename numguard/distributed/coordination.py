@@ -497,9 +497,29 @@ def _timeout_error(st: _GroupState, what: str, site: str, timeout_s: float, caus
 _POST_AFTER_S = 0.05
 
 
+# NOTE: [own wait time] Host seconds this process spent waiting in numguard's own collectives
+# (replica checks, shape checks, triggers, ...). The cross-rank step time leaves them out: a fast
+# rank waits in them for a slow one, and that wait is the slow rank's time, not its own.
+_waited = [0.0]
+
+
+def waited_s() -> float:
+    """Host seconds this process has waited in numguard's collectives so far (NOTE: [own wait
+    time])."""
+    return _waited[0]
+
+
 def _wait(work, st: _GroupState, what: str, site: str, timeout_s: float) -> None:
     if work is None:
         return
+    began = time.perf_counter()
+    try:
+        _wait_for(work, st, what, site, timeout_s)
+    finally:
+        _waited[0] += time.perf_counter() - began
+
+
+def _wait_for(work, st: _GroupState, what: str, site: str, timeout_s: float) -> None:
     first = min(_POST_AFTER_S, timeout_s)
     if st.device.type == "cpu":
         phases = [first] + ([timeout_s - first] if timeout_s - first >= 0.001 else [])
@@ -688,22 +708,18 @@ def _local_flags(st: _GroupState, src: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_pairs(st: _GroupState, first: int, second: int, what: str, site: str,
-                  numbers=None):
-    """All-gather two int64 per rank on numguard's group; [(first, second) per rank]. With
-    ``numbers`` (numerics.FIELDS as floats) they ride in the same record: then
-    [(first, second, numbers) per rank]."""
-    if numbers is None:
-        hin_b = st.gather_buffers(2)[0]
-        struct.pack_into("<2q", hin_b, 0, first, second)
-        out = timed_all_gather(st, 2, what, site)
-        return [struct.unpack_from("<2q", out, r * 16) for r in range(st.world)]
-    words = 2 + len(numbers)
-    fmt = f"<2q{len(numbers)}d"
+                  numbers=None, third: int = 0):
+    """All-gather three int64 per rank on numguard's group (the flag, the batch, the rank-local
+    batches); [(first, second, third) per rank]. With ``numbers`` (numerics.FIELDS as floats)
+    they ride in the same record: then [(first, second, third, numbers) per rank]."""
+    numbers = [] if numbers is None else list(numbers)
+    words = 3 + len(numbers)
+    fmt = f"<3q{len(numbers)}d"
     hin_b = st.gather_buffers(words)[0]
-    struct.pack_into(fmt, hin_b, 0, first, second, *numbers)
+    struct.pack_into(fmt, hin_b, 0, first, second, third, *numbers)
     out = timed_all_gather(st, words, what, site)
     rows = [struct.unpack_from(fmt, out, r * words * 8) for r in range(st.world)]
-    return [(row[0], row[1], row[2:]) for row in rows]
+    return [(row[0], row[1], row[2], row[3:]) for row in rows]
 
 
 # NOTE: [cross-rank numbers]
@@ -714,7 +730,7 @@ def _gather_pairs(st: _GroupState, first: int, second: int, what: str, site: str
 def _observe_numbers(st: _GroupState, pairs) -> None:
     try:
         from . import numerics
-        numerics.observe(st, [list(p[2]) for p in pairs],
+        numerics.observe(st, [list(p[3]) for p in pairs],
                          [None if p[1] == _NO_BATCH else p[1] for p in pairs])
     except Exception as exc:  # numguard's own trouble: the exchange's result stands
         st.warn_once("numerics", (
@@ -723,10 +739,14 @@ def _observe_numbers(st: _GroupState, pairs) -> None:
         st.numerics_off = True
 
 
-def _check_batches(st: _GroupState, batches: list) -> None:
-    """Warn once when the ranks that passed a batch number passed different ones."""
+def _check_batches(st: _GroupState, batches: list, local=None) -> None:
+    """Warn once when the ranks that passed a batch number passed different ones, not counting
+    each rank's ``local`` batches (run under no_grad, e.g. rank 0's evaluation: the other ranks
+    never ran them)."""
+    local = local or [0] * len(batches)
     mine = batches[st.rank]
-    others = [(r, b) for r, b in enumerate(batches) if b is not None and b != mine]
+    others = [(r, b) for r, b in enumerate(batches)
+              if b is not None and mine is not None and b - local[r] != mine - local[st.rank]]
     if mine is None or not others:
         return
     listed = ", ".join(f"batch {b} on rank {st.global_ranks[r]}" for r, b in others)
@@ -740,7 +760,7 @@ def _check_batches(st: _GroupState, batches: list) -> None:
 
 def exchange_trip(tripped: torch.Tensor, group=None, blocking: bool | None = None, *,
                   batch_number: int | None = None, grace: float | None = None,
-                  numbers=None) -> torch.Tensor:
+                  numbers=None, local_batches: int = 0) -> torch.Tensor:
     """Share this rank's trip flag with every rank of the group.
 
     Args:
@@ -756,6 +776,9 @@ def exchange_trip(tripped: torch.Tensor, group=None, blocking: bool | None = Non
             ``NUMGUARD_DIST_TIMEOUT``).
         numbers: this rank's numbers for the outlier rule (numerics.FIELDS, host floats; NOTE:
             [cross-rank numbers]). Every rank of the group passes them or none does.
+        local_batches: batches this rank ran on its own (forwards under no_grad, such as rank
+            0's evaluation) among those counted by ``batch_number``: the batch comparison leaves
+            them out.
 
     Returns int64[world_size] on the user's group's collective device: entry ``r`` is rank
     ``r``'s flag. Never raises for a rank that does not come: the ranks first meet in the store
@@ -789,9 +812,10 @@ def exchange_trip(tripped: torch.Tensor, group=None, blocking: bool | None = Non
                 if numbers is not None:
                     numbers = [float(v) for v in numbers]
                 pairs = _gather_pairs(st, int(src.item()) if on_cpu else 0, batch,
-                                      "numguard trip exchange (all_gather)", site, numbers)
+                                      "numguard trip exchange (all_gather)", site, numbers,
+                                      int(local_batches))
                 st.last.batches = [None if p[1] == _NO_BATCH else p[1] for p in pairs]
-                _check_batches(st, st.last.batches)
+                _check_batches(st, st.last.batches, [p[2] for p in pairs])
                 if numbers is not None and not st.numerics_off:
                     _observe_numbers(st, pairs)
                 if on_cpu:
@@ -969,5 +993,6 @@ __all__ = [
     "last_exchange",
     "rank",
     "release",
+    "waited_s",
     "world_size",
 ]

@@ -10,7 +10,7 @@ from .. import report as _report
 from ..errors import HeadroomWarning, InspectorWarning, NonFiniteError, NonFiniteWarning
 from . import checks
 from . import operations as _operations
-from .frames import EXTRA, TENSOR
+from .frames import EXTRA, TENSOR, is_parameter_gradients
 from .options import STDOUT
 from .weights import LOW_PRECISION_MAX
 
@@ -50,7 +50,7 @@ def fault_kind(frame):
     (numguard.backward labels them ``<parameter>.grad``)."""
     if _pass_of(frame.section) != "backward":
         return schema.FAULT_FORWARD
-    if frame.labels and frame.labels[-1].endswith(".grad"):
+    if is_parameter_gradients(frame):
         return schema.FAULT_PARAMETER_GRADIENT
     return schema.FAULT_GRADIENT
 
