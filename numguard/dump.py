@@ -15,6 +15,10 @@ Schema (``format == "numguard-report"``, ``version == 1``); JSON numbers may be 
       "check": "sync" | "async", "check_every": int,
       "rank": int | null,       # null when torch.distributed was not initialized
       "ranks": [[rank, module | null], ...],   # every rank that tripped (distributed jobs)
+      "first_fault": {"rank": int, "module": str | null, "labels": [str, ...], "kind": str | null,
+                      "batch": int | null, "this_rank": bool},
+                                # optional: the earliest NaN/Inf across ranks (schema.FAULT_KINDS);
+                                # this_rank false: this rank's own came later, carried by a collective
       "module": str, "class": str,             # first offending module ("" = root) and its class
       "labels": [str, ...],     # the offending labels of that frame
       "section": "forward" | "backward" | ...,
@@ -179,6 +183,8 @@ _TOP = {
     "outliers": (False, ("list", ("an outlier (an object with a whole-number rank and a metric)",
                                   lambda v: isinstance(v, dict) and _is_int(v.get("rank"))
                                   and isinstance(v.get("metric"), str)))),
+    "first_fault": (False, ("an object with a whole-number rank",
+                            lambda v: isinstance(v, dict) and _is_int(v.get("rank")))),
     "module": (False, _STR_OR_NULL),
     "class": (False, _STR),
     "labels": (False, ("list", _STR)),

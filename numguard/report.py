@@ -211,6 +211,25 @@ def replay_lines(replay) -> list[str]:
     return [f"numguard: could not replay {module}: {reason}"]
 
 
+def first_fault_lines(fault, own_module, own_section) -> list[str]:
+    """The earliest NaN/Inf across ranks, when it was on another rank than this report's: this
+    rank's own non-finite values came after it, carried by a collective (NOTE: [earliest fault]
+    in numguard.distributed.coordination)."""
+    if not isinstance(fault, dict) or fault.get("this_rank", True):
+        return []
+    name = fault.get("module")
+    name = "(unknown module)" if name is None else (name if name else "(root module)")
+    labels = ", ".join(str(v) for v in fault.get("labels") or [])
+    batch = fault.get("batch")
+    where = f", batch_number={batch}" if batch is not None else ""
+    kind = fault.get("kind") or "unknown kind"
+    own = own_module if own_module else "(root module)"
+    return [f"numguard: earliest non-finite value across ranks: rank {fault.get('rank')} in {name} [{labels}], "
+            f"{kind}{where}; this rank's own ({own}, {own_section or 'forward'} pass) came after it, carried "
+            "here by a collective (DDP's gradient all_reduce, FSDP's reduce-scatter, a collective in the "
+            "forward): it is not where the NaN/Inf started"]
+
+
 def summary_lines(report: dict) -> list[str]:
     """numguard's own lines: where the first non-finite value was, and when it was found."""
     out = []
@@ -242,6 +261,7 @@ def summary_lines(report: dict) -> list[str]:
     if ranks:
         out.append("numguard: ranks that tripped: " + ", ".join(
             f"{r} ({m if m else '(root module)'})" if m is not None else str(r) for r, m in ranks))
+    out.extend(first_fault_lines(report.get("first_fault"), module, report.get("section")))
     where = report.get("where")
     if where and where not in ("batch end", "close"):
         out.append(f"numguard: found at the check {where!r}")

@@ -83,6 +83,18 @@ KIND_NOT_A_TENSOR = "not a tensor"
 LINE_KINDS = (KIND_TENSOR, KIND_NONE, KIND_NOT_A_TENSOR)  # indexed by the inspector's line codes 0, 1, 2
 
 # ---------------------------------------------------------------------------------------------
+# Fault kinds: what a rank's first non-finite value was, in the order they happen within a
+# training step. A collective later in the step (DDP's gradient all_reduce, FSDP's reduce-scatter)
+# carries a NaN/Inf from the rank that made it to every other rank, so across ranks the earliest
+# kind names the fault (numguard.distributed.coordination.earliest_fault). In the trip details
+# record a kind is sent as its index + 1 (0: unknown, after every kind).
+
+FAULT_FORWARD = "forward"                        # a forward frame: activations, inputs, weights
+FAULT_GRADIENT = "gradient"                      # a gradient tapped in the backward (grad_input/grad_output)
+FAULT_PARAMETER_GRADIENT = "parameter gradient"  # parameter .grad before the optimizer step
+FAULT_KINDS = (FAULT_FORWARD, FAULT_GRADIENT, FAULT_PARAMETER_GRADIENT)
+
+# ---------------------------------------------------------------------------------------------
 # Replica fingerprints (numguard.ops.multi_tensor_fingerprint; NOTE: [fingerprint] in
 # csrc/include/numguard/stats_reduce.h): per tensor, the wrapping 64-bit sum over its elements of
 # mix64(bits ^ (flat_index * FINGERPRINT_INDEX_STEP)), mix64 being splitmix64's finalizer with

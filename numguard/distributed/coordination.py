@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as _c10d
 
+from .. import schema
 from ._env import dist_timeout
 from .errors import DistributedOperationException, DistributedTimeoutError, DistributedWarning
 from .rendezvous import Rendezvous
@@ -496,9 +497,29 @@ def _timeout_error(st: _GroupState, what: str, site: str, timeout_s: float, caus
 _POST_AFTER_S = 0.05
 
 
+# NOTE: [own wait time] Host seconds this process spent waiting in numguard's own collectives
+# (replica checks, shape checks, triggers, ...). The cross-rank step time leaves them out: a fast
+# rank waits in them for a slow one, and that wait is the slow rank's time, not its own.
+_waited = [0.0]
+
+
+def waited_s() -> float:
+    """Host seconds this process has waited in numguard's collectives so far (NOTE: [own wait
+    time])."""
+    return _waited[0]
+
+
 def _wait(work, st: _GroupState, what: str, site: str, timeout_s: float) -> None:
     if work is None:
         return
+    began = time.perf_counter()
+    try:
+        _wait_for(work, st, what, site, timeout_s)
+    finally:
+        _waited[0] += time.perf_counter() - began
+
+
+def _wait_for(work, st: _GroupState, what: str, site: str, timeout_s: float) -> None:
     first = min(_POST_AFTER_S, timeout_s)
     if st.device.type == "cpu":
         phases = [first] + ([timeout_s - first] if timeout_s - first >= 0.001 else [])
@@ -687,22 +708,18 @@ def _local_flags(st: _GroupState, src: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_pairs(st: _GroupState, first: int, second: int, what: str, site: str,
-                  numbers=None):
-    """All-gather two int64 per rank on numguard's group; [(first, second) per rank]. With
-    ``numbers`` (numerics.FIELDS as floats) they ride in the same record: then
-    [(first, second, numbers) per rank]."""
-    if numbers is None:
-        hin_b = st.gather_buffers(2)[0]
-        struct.pack_into("<2q", hin_b, 0, first, second)
-        out = timed_all_gather(st, 2, what, site)
-        return [struct.unpack_from("<2q", out, r * 16) for r in range(st.world)]
-    words = 2 + len(numbers)
-    fmt = f"<2q{len(numbers)}d"
+                  numbers=None, third: int = 0):
+    """All-gather three int64 per rank on numguard's group (the flag, the batch, the rank-local
+    batches); [(first, second, third) per rank]. With ``numbers`` (numerics.FIELDS as floats)
+    they ride in the same record: then [(first, second, third, numbers) per rank]."""
+    numbers = [] if numbers is None else list(numbers)
+    words = 3 + len(numbers)
+    fmt = f"<3q{len(numbers)}d"
     hin_b = st.gather_buffers(words)[0]
-    struct.pack_into(fmt, hin_b, 0, first, second, *numbers)
+    struct.pack_into(fmt, hin_b, 0, first, second, third, *numbers)
     out = timed_all_gather(st, words, what, site)
     rows = [struct.unpack_from(fmt, out, r * words * 8) for r in range(st.world)]
-    return [(row[0], row[1], row[2:]) for row in rows]
+    return [(row[0], row[1], row[2], row[3:]) for row in rows]
 
 
 # NOTE: [cross-rank numbers]
@@ -713,7 +730,7 @@ def _gather_pairs(st: _GroupState, first: int, second: int, what: str, site: str
 def _observe_numbers(st: _GroupState, pairs) -> None:
     try:
         from . import numerics
-        numerics.observe(st, [list(p[2]) for p in pairs],
+        numerics.observe(st, [list(p[3]) for p in pairs],
                          [None if p[1] == _NO_BATCH else p[1] for p in pairs])
     except Exception as exc:  # numguard's own trouble: the exchange's result stands
         st.warn_once("numerics", (
@@ -722,10 +739,14 @@ def _observe_numbers(st: _GroupState, pairs) -> None:
         st.numerics_off = True
 
 
-def _check_batches(st: _GroupState, batches: list) -> None:
-    """Warn once when the ranks that passed a batch number passed different ones."""
+def _check_batches(st: _GroupState, batches: list, local=None) -> None:
+    """Warn once when the ranks that passed a batch number passed different ones, not counting
+    each rank's ``local`` batches (run under no_grad, e.g. rank 0's evaluation: the other ranks
+    never ran them)."""
+    local = local or [0] * len(batches)
     mine = batches[st.rank]
-    others = [(r, b) for r, b in enumerate(batches) if b is not None and b != mine]
+    others = [(r, b) for r, b in enumerate(batches)
+              if b is not None and mine is not None and b - local[r] != mine - local[st.rank]]
     if mine is None or not others:
         return
     listed = ", ".join(f"batch {b} on rank {st.global_ranks[r]}" for r, b in others)
@@ -739,7 +760,7 @@ def _check_batches(st: _GroupState, batches: list) -> None:
 
 def exchange_trip(tripped: torch.Tensor, group=None, blocking: bool | None = None, *,
                   batch_number: int | None = None, grace: float | None = None,
-                  numbers=None) -> torch.Tensor:
+                  numbers=None, local_batches: int = 0) -> torch.Tensor:
     """Share this rank's trip flag with every rank of the group.
 
     Args:
@@ -755,6 +776,9 @@ def exchange_trip(tripped: torch.Tensor, group=None, blocking: bool | None = Non
             ``NUMGUARD_DIST_TIMEOUT``).
         numbers: this rank's numbers for the outlier rule (numerics.FIELDS, host floats; NOTE:
             [cross-rank numbers]). Every rank of the group passes them or none does.
+        local_batches: batches this rank ran on its own (forwards under no_grad, such as rank
+            0's evaluation) among those counted by ``batch_number``: the batch comparison leaves
+            them out.
 
     Returns int64[world_size] on the user's group's collective device: entry ``r`` is rank
     ``r``'s flag. Never raises for a rank that does not come: the ranks first meet in the store
@@ -788,9 +812,10 @@ def exchange_trip(tripped: torch.Tensor, group=None, blocking: bool | None = Non
                 if numbers is not None:
                     numbers = [float(v) for v in numbers]
                 pairs = _gather_pairs(st, int(src.item()) if on_cpu else 0, batch,
-                                      "numguard trip exchange (all_gather)", site, numbers)
+                                      "numguard trip exchange (all_gather)", site, numbers,
+                                      int(local_batches))
                 st.last.batches = [None if p[1] == _NO_BATCH else p[1] for p in pairs]
-                _check_batches(st, st.last.batches)
+                _check_batches(st, st.last.batches, [p[2] for p in pairs])
                 if numbers is not None and not st.numerics_off:
                     _observe_numbers(st, pairs)
                 if on_cpu:
@@ -823,17 +848,26 @@ def last_exchange(group=None) -> dict:
 
 class TripDetail(tuple):
     """``(rank, module name or None)`` of a rank that tripped, as a 2-tuple; ``.batch`` is the
-    batch number that rank reported (None when unknown)."""
+    batch number that rank reported (None when unknown), ``.kind`` what its first non-finite
+    value was (one of schema.FAULT_KINDS, None when unknown), ``.ordinal`` how many frames of
+    that kind came before it in its batch, ``.labels`` its offending labels."""
 
-    def __new__(cls, rank_: int, module: str | None, batch: int | None = None):
+    def __new__(cls, rank_: int, module: str | None, batch: int | None = None,
+                kind: str | None = None, ordinal: int = 0, labels=()):
         self = super().__new__(cls, (rank_, module))
         self.batch = batch
+        self.kind = kind
+        self.ordinal = ordinal
+        self.labels = list(labels)
         return self
 
 
-_DETAIL_WORDS = 64  # 3 header words + 61 * 8 bytes of module name
-_DETAIL_MAGIC = 0x4E47_5452  # "NGTR"
+_DETAIL_HEADER = 4  # magic, batch, info (flags, kind, name and labels lengths), ordinal
+_DETAIL_WORDS = 64  # the header + 60 * 8 bytes of module name and labels
+_DETAIL_CAPACITY = (_DETAIL_WORDS - _DETAIL_HEADER) * 8
+_DETAIL_MAGIC = 0x4E47_5453  # "NGTS"
 _TRUNC_MARK = "..."
+_NO_KIND_ORDER = len(schema.FAULT_KINDS)
 
 
 def _encode_name(name: str, capacity: int) -> bytes:
@@ -841,28 +875,64 @@ def _encode_name(name: str, capacity: int) -> bytes:
     if len(raw) <= capacity:
         return raw
     mark = _TRUNC_MARK.encode()
-    cut = raw[: capacity - len(mark)].decode("utf-8", errors="ignore").encode("utf-8")
+    cut = raw[: max(0, capacity - len(mark))].decode("utf-8", errors="ignore").encode("utf-8")
     return cut + mark
 
 
+def _kind_order(kind) -> int:
+    return schema.FAULT_KINDS.index(kind) if kind in schema.FAULT_KINDS else _NO_KIND_ORDER
+
+
+def earliest_fault(details):
+    """The :class:`TripDetail` of the fault that came first, or None for none: the earliest
+    batch, then the earliest kind of a step (NOTE: [earliest fault]), then the earliest frame of
+    that kind in the batch, then the lowest rank. Every rank gets the same details from
+    :func:`gather_trip_details`, so every rank names the same fault."""
+    # NOTE: [earliest fault]
+    # A NaN made on one rank reaches the others through the collectives after it: with DDP the
+    # gradient all_reduce writes rank 1's NaN into rank 0's parameter gradients, so at the
+    # optimizer step's check both ranks have tripped, rank 0 in "[every parameter].grad". The
+    # ranks cannot compare clocks, but they run the same step: a forward fault comes before any
+    # gradient, a gradient tapped in the backward before the parameter gradients a collective
+    # reduced, and within a kind the ranks' frames come in the same order (a collective in the
+    # forward, such as SyncBatchNorm, carries a NaN to a later frame of the other ranks).
+    # Nothing of this costs a healthy batch anything: it rides in the trip details record, which
+    # is exchanged only once a rank has tripped.
+    def key(d):
+        batch = d.batch if d.batch is not None else 2 ** 62
+        return (batch, _kind_order(d.kind), d.ordinal, d[0])
+
+    tripped = [d for d in details if d is not None]
+    return min(tripped, key=key) if tripped else None
+
+
 def gather_trip_details(module_name: str | None, batch_number: int, group=None,
-                        tripped: bool | None = None) -> list[TripDetail]:
+                        tripped: bool | None = None, *, kind: str | None = None,
+                        ordinal: int = 0, labels=()) -> list[TripDetail]:
     """After :func:`exchange_trip` showed a trip, share which module tripped on which rank.
 
     Called on every rank (one all_gather of a fixed-size int64 record, after a store
     rendezvous). ``module_name`` is this rank's first offending module (None when this rank did
-    not trip); ``tripped`` defaults to ``module_name is not None``. Returns
-    ``[(rank, module_name_or_None), ...]`` (:class:`TripDetail`, with ``.batch``) for the ranks
-    that tripped, in rank order. Names longer than 485 bytes are truncated and end with ``...``.
-    When the last exchange was local (a rank did not come) or a rank does not come now, returns
-    this rank's own entry only.
+    not trip); ``tripped`` defaults to ``module_name is not None``; ``kind`` (one of
+    schema.FAULT_KINDS), ``ordinal`` (frames of that kind before it in its batch) and ``labels``
+    (its offending labels) say what that fault was, for :func:`earliest_fault`. Returns
+    ``[(rank, module_name_or_None), ...]`` (:class:`TripDetail`, with ``.batch``, ``.kind``,
+    ``.ordinal``, ``.labels``) for the ranks that tripped, in rank order. Module names longer
+    than 480 bytes are truncated and end with ``...``; labels get what the name leaves of the
+    480 bytes. When the last exchange was local (a rank did not come) or a rank does not come
+    now, returns this rank's own entry only.
     """
     if tripped is None:
         tripped = module_name is not None
+    if kind is not None and kind not in schema.FAULT_KINDS:
+        raise ValueError(f"kind={kind!r} is not valid: use one of {schema.FAULT_KINDS} or None.")
+    labels = [str(label) for label in labels]
+    mine = TripDetail(0, module_name, batch_number, kind, int(ordinal), labels)
     if not is_initialized():
-        return [TripDetail(0, module_name, batch_number)] if tripped else []
+        return [mine] if tripped else []
     st = group_state(group)
-    local = [TripDetail(st.rank, module_name, batch_number)] if tripped else []
+    local = [TripDetail(st.rank, module_name, batch_number, kind, int(ordinal), labels)] \
+        if tripped else []
     if st.world == 1:
         return local
     site = call_site()
@@ -873,12 +943,15 @@ def gather_trip_details(module_name: str | None, batch_number: int, group=None,
         if not _meet_everyone(st, what, site, _exchange_grace(None)).complete:
             return local
         hin_b, *_ = st.gather_buffers(_DETAIL_WORDS)
-        payload = b"" if module_name is None else _encode_name(module_name,
-                                                               (_DETAIL_WORDS - 3) * 8)
-        flags = (1 if tripped else 0) | (2 if module_name is not None else 0)
-        struct.pack_into("<qqq", hin_b, 0, _DETAIL_MAGIC, int(batch_number),
-                         flags | (len(payload) << 8))
-        hin_b[24:] = payload.ljust((_DETAIL_WORDS - 3) * 8, b"\0")
+        name = b"" if module_name is None else _encode_name(module_name, _DETAIL_CAPACITY)
+        joined = _encode_name("\0".join(labels), _DETAIL_CAPACITY - len(name)) \
+            if labels and len(name) < _DETAIL_CAPACITY else b""
+        kind_code = 0 if kind is None else schema.FAULT_KINDS.index(kind) + 1
+        info = ((1 if tripped else 0) | (2 if module_name is not None else 0) | (kind_code << 2)
+                | (len(name) << 8) | (len(joined) << 24))
+        struct.pack_into("<qqqq", hin_b, 0, _DETAIL_MAGIC, int(batch_number), info,
+                         int(ordinal))
+        hin_b[_DETAIL_HEADER * 8:] = (name + joined).ljust(_DETAIL_CAPACITY, b"\0")
         try:
             out = timed_all_gather(st, _DETAIL_WORDS, "numguard trip details (all_gather)",
                                    site)
@@ -890,14 +963,19 @@ def gather_trip_details(module_name: str | None, batch_number: int, group=None,
     result = []
     for r in range(st.world):
         base = r * _DETAIL_WORDS * 8
-        magic, batch, info = struct.unpack_from("<qqq", out, base)
+        magic, batch, info, ordinal_r = struct.unpack_from("<qqqq", out, base)
         if magic != _DETAIL_MAGIC or not info & 1:
             continue
-        name = None
+        body = base + _DETAIL_HEADER * 8
+        n_name, n_labels = (info >> 8) & 0xFFFF, (info >> 24) & 0xFFFF
+        name_r = None
         if info & 2:
-            n = info >> 8
-            name = bytes(out[base + 24: base + 24 + n]).decode("utf-8", errors="replace")
-        result.append(TripDetail(r, name, batch))
+            name_r = bytes(out[body: body + n_name]).decode("utf-8", errors="replace")
+        raw = bytes(out[body + n_name: body + n_name + n_labels]).decode("utf-8", "replace")
+        code = (info >> 2) & 0x3F
+        kind_r = schema.FAULT_KINDS[code - 1] if 0 < code <= len(schema.FAULT_KINDS) else None
+        result.append(TripDetail(r, name_r, batch, kind_r, ordinal_r,
+                                 raw.split("\0") if raw else ()))
     return result
 
 
@@ -908,11 +986,13 @@ __all__ = [
     "TripDetail",
     "call_site",
     "collective_device",
+    "earliest_fault",
     "exchange_trip",
     "gather_trip_details",
     "is_initialized",
     "last_exchange",
     "rank",
     "release",
+    "waited_s",
     "world_size",
 ]

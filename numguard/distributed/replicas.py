@@ -207,7 +207,9 @@ class ReplicaSentinel:
         hin_b, hin, *_ = st.gather_buffers(words)
         hin.copy_(fps)
         out = _co.timed_all_gather(st, words, f"numguard replica fingerprints of {kind} (all_gather)", site)
-        table = torch.frombuffer(bytes(out), dtype=torch.int64).view(st.world, words)
+        # A copy of the gathered bytes: the group's buffer is reused by the next collective, and
+        # torch.frombuffer of immutable bytes warns that the buffer is not writable.
+        table = torch.frombuffer(out, dtype=torch.int64).clone().view(st.world, words)
         ranks = st.global_ranks
         mismatches = []
         for j in range(words):
@@ -263,9 +265,9 @@ class ReplicaSentinel:
         words = 2
         hin_b, hin, *_ = st.gather_buffers(words)
         hin[0], hin[1] = n_diff, ulps
-        out = torch.frombuffer(bytes(_co.timed_all_gather(
-            st, words, f"numguard replica difference of {m['name']} (all_gather)", site)),
-            dtype=torch.int64).view(st.world, 2)
+        out = torch.frombuffer(_co.timed_all_gather(
+            st, words, f"numguard replica difference of {m['name']} (all_gather)", site),
+            dtype=torch.int64).clone().view(st.world, 2)
         m["differing_elements"] = int(out[:, 0].max())
         m["max_ulps"] = int(out[:, 1].max())
         m["per_rank"] = {str(st.global_ranks[r]): [int(out[r, 0]), int(out[r, 1])] for r in range(st.world)}

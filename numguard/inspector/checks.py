@@ -6,6 +6,7 @@ frames) is the inspector's business."""
 from __future__ import annotations
 
 import struct
+import sys
 import time
 import warnings
 from typing import NamedTuple
@@ -14,6 +15,7 @@ import torch
 
 from .. import schema
 from ..errors import InspectorWarning
+from .frames import is_parameter_gradients
 from .ring import host_to_device, outside_inference_mode
 
 
@@ -60,6 +62,16 @@ def rank():
     return None
 
 
+#: The end of a check made when a submodule called outside the root's forward returned.
+OUTSIDE_ROOT = "returned outside the root's forward"
+
+
+def _own_wait() -> float:
+    """Seconds waited in numguard's own collectives (0 before numguard.distributed is used)."""
+    module = sys.modules.get("numguard.distributed.coordination")
+    return module.waited_s() if module is not None else 0.0
+
+
 def coordination(warned: set):
     """numguard.distributed.coordination, or None (with a warning naming it, once) when this
     installation cannot import it: the other ranks then learn nothing of this rank's trips."""
@@ -92,9 +104,16 @@ class FlagReader:
         self.numbers = None           # this rank's cross-rank numbers read by the last shared check
         self.skipped_steps = None     # callable: GradScaler-skipped steps so far (set by the inspector)
         self._tail = 0                # words of numbers at the end of the pending async copy
-        self._exchange_done = None    # host time the last shared check's exchange returned
-        self._forward_end = None      # host time the last root forward returned
-        self._forwards = 0            # root forwards since that exchange
+        # Step time (NOTE: [step time]): (host time, own wait) at the last exchange or root forward
+        # end, at this forward's start and at its first child's start; busy seconds and root
+        # forwards since the last exchange; whether rank-local work (evaluation) ran since.
+        self._mark = None
+        self._forward_start = None
+        self._inner_start = None
+        self._busy = 0.0
+        self._forwards = 0
+        self._local_work = False
+        self.local_batches = 0        # root forwards run under no_grad (rank-local, not exchanged)
         if mode == "async":
             self._make_host_buffer(8)
 
@@ -114,36 +133,78 @@ class FlagReader:
         # runs those, while evaluation under no_grad often runs on some ranks only (rank 0's
         # eval), where a collective would pair with an unrelated one on the other ranks.
         # Evaluation trips are reported by their own rank.
+        # The end of a forward under no_grad, also of a submodule called outside the root's
+        # forward (model.module(x) on rank 0 for evaluation), is rank-local.
         self.ring.merge_devices()  # NOTE: [one ring per device]
         state = self.ring.state_buf
-        if distributed_on() and (torch.is_grad_enabled() or self.where != "batch end"):
+        forward_end = self.where == "batch end" or self.where.endswith(OUTSIDE_ROOT)
+        if distributed_on() and (torch.is_grad_enabled() or not forward_end):
             module = coordination(self.warned)
             if module is not None:
                 # The batch number lets ranks that pair different batches (different check_every,
-                # an extra batch on one rank) be told so, naming both.
+                # an extra batch on one rank) be told so, naming both; the rank-local batches
+                # (evaluation) each rank ran are not counted in that comparison.
                 flags = module.exchange_trip(state[0], batch_number=batch,
-                                             numbers=self._numbers_to_send())
-                self._exchange_done = time.perf_counter()
+                                             numbers=self._numbers_to_send(),
+                                             local_batches=self.local_batches)
+                self._mark = (time.perf_counter(), _own_wait())
+                self._busy = 0.0
                 self._forwards = 0
+                self._local_work = False
                 parts = [state, flags.to(state.device)]
                 numbers = self._device_numbers()
                 if numbers is not None:
                     parts.append(numbers.view(torch.int64))
                 return torch.cat(parts), True, 0 if numbers is None else numbers.numel()
+        if distributed_on():
+            self._local_work = True  # this interval's step time is not comparable across ranks
         return state, False, 0
 
     # -- cross-rank numbers (numguard.distributed.numerics; NOTE: [cross-rank numbers]) ----------
+    # NOTE: [step time]
+    # A rank's step time is the host time it spent on its own work since the last exchange:
+    # before each root forward (optimizer step, data loading) and in the forward, leaving out
+    # the time it waited for the other ranks, which is theirs:
+    # - the backward is left out (DDP's gradient all_reduce makes fast ranks wait for slow ones);
+    # - the forward is timed from its first child's start: a wrapper's collectives before it
+    #   (DDP's buffer broadcast, BatchNorm running stats) are left out;
+    # - numguard's own collectives (the replica check at the forward's start, shape checks) are
+    #   left out (NOTE: [own wait time] in numguard.distributed.coordination);
+    # - an interval in which this rank ran rank-local work (a forward under no_grad, a check
+    #   only this rank made: rank 0's evaluation) gives no step time (NaN: not compared).
+    # Collectives inside the model's layers (SyncBatchNorm, tensor parallelism, FSDP's
+    # all-gathers) are not seen: a rank waiting in them shows that wait (README).
+    def forward_started(self):
+        """A root forward starts (the inspector's root pre-hook)."""
+        self._forward_start = (time.perf_counter(), _own_wait())
+        self._inner_start = None
+
+    def inner_forward_started(self):
+        """The root forward's first child starts (a wrapper's own work before it is not timed)."""
+        if self._inner_start is None and self._forward_start is not None:
+            self._inner_start = (time.perf_counter(), _own_wait())
+
     def forward_ended(self):
         """The root forward returned (the inspector calls this at every batch end)."""
-        self._forward_end = time.perf_counter()
-        self._forwards += 1
+        now = (time.perf_counter(), _own_wait())
+        start, inner = self._forward_start, self._inner_start
+        self._forward_start = self._inner_start = None
+        if not torch.is_grad_enabled():
+            self.local_batches += 1
+            self._local_work = True
+            return
+        if self._mark is not None and start is not None:
+            inner = inner or start
+            before = (start[0] - self._mark[0]) - (start[1] - self._mark[1])
+            during = (now[0] - inner[0]) - (now[1] - inner[1])
+            self._busy += max(0.0, before) + max(0.0, during)
+            self._forwards += 1
+        self._mark = now
 
     def _numbers_to_send(self):
         """numerics.FIELDS: the device numbers the previous shared check read (NaN before the
-        first), the skipped-step count, and the host step time: seconds per batch from the
-        previous exchange to the end of the last forward. It leaves out the backward, where DDP's
-        gradient all_reduce makes fast ranks wait for slow ones, so a rank slow in its data
-        loading, optimizer step or forward shows its own time (NaN until known)."""
+        first), the skipped-step count, and the host step time (NOTE: [step time]; NaN until
+        known)."""
         numbers = list(self.numbers) if self.numbers is not None else [float("nan")] * 4
         skipped = 0
         if self.skipped_steps is not None:
@@ -152,9 +213,8 @@ class FlagReader:
             except Exception:
                 skipped = 0
         step = float("nan")
-        if self._exchange_done is not None and self._forward_end is not None \
-                and self._forward_end > self._exchange_done:
-            step = (self._forward_end - self._exchange_done) / max(1, self._forwards)
+        if self._forwards and not self._local_work:
+            step = self._busy / self._forwards
         return numbers + [float(skipped), step]
 
     def _device_numbers(self):
@@ -246,12 +306,16 @@ def batch_numbers(ring) -> torch.Tensor:
     rows, inv, grad = [], [], []
     for f in ring.frames[ring.last_check_frames:]:
         g = f.section in _GRADIENT_SECTIONS
+        # Parameter gradients count as non-finite values only: after a gradient all_reduce they
+        # are the same on every rank, and their abs max (the mean of the ranks') would hide the
+        # one rank whose own gradients (tapped in its backward) are 1000x the others'.
+        reduced = is_parameter_gradients(f)
         start = f.start
         for p, dtype in zip(f.positions, f.dtypes):
             if p >= start:  # a record this frame wrote (earlier ones are counted where written)
                 rows.append(p % size)
-                inv.append(_INV_MAX.get(dtype, 0.0))
-                grad.append(g)
+                inv.append(0.0 if reduced else _INV_MAX.get(dtype, 0.0))
+                grad.append(g and not reduced)
     device = ring.device
     if not rows:
         out = torch.zeros(4, dtype=torch.float64, device=device)
@@ -266,7 +330,7 @@ def batch_numbers(ring) -> torch.Tensor:
     zero = headroom.new_zeros(())
     return torch.stack([
         recs[:, schema.NAN:schema.NEG_INF + 1].sum(),
-        torch.where(grad_t, zero, headroom).amax(),
+        torch.where(grad_t, zero, headroom).amax(),  # (parameter gradients: headroom 0 here)
         torch.where(grad_t, headroom, zero).amax(),
         torch.where(grad_t, recs[:, schema.MIN_NONZERO], zero + _INF).amin(),
     ])

@@ -20,6 +20,7 @@ import torch
 from .. import env
 from ..errors import AbortAfterBatch, InspectorWarning, NonFiniteError
 from . import frames as _frames
+from . import checks as _checks
 from .checks import FlagReader
 from .graph import GraphRecorder
 from .hooks import ModuleHooks, active
@@ -121,6 +122,8 @@ class Inspector(ModuleHooks):
         self._depth = 0
         self._batch_open = False
         self._thread = None
+        self._child_hooks = []            # pre-hooks timing the root's first child (hooks.py)
+        self._first_child = None
         self._backward_watch = None
         self._ops = None
         self._history = None              # per-module device history for advice() (numguard.inspector.history)
@@ -431,6 +434,7 @@ class Inspector(ModuleHooks):
 
     def _end_batch(self):
         self._reader.forward_ended()  # host step time for the cross-rank numbers
+        self._keep_first_child_hook()
         batch = self._batches_done
         self._batches_done += 1
         self._batch_open = False
@@ -460,8 +464,7 @@ class Inspector(ModuleHooks):
         would wait for a root call that may never come."""
         self._batch_open = False
         self._ring.forget_seen()
-        self._guarded(self.check, f"{owner.name or '(root module)'} ({owner.cls}) returned outside the "
-                                  "root's forward")
+        self._guarded(self.check, f"{owner.name or '(root module)'} ({owner.cls}) {_checks.OUTSIDE_ROOT}")
 
     def _after_raised_forward(self, exc):
         """The root forward raised. A trip another inspector already raised (or an abort) is not

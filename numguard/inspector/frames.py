@@ -65,6 +65,13 @@ class Frame(NamedTuple):
     lowest: int
 
 
+def is_parameter_gradients(frame) -> bool:
+    """The parameter gradients numguard.backward records before the optimizer step (labels
+    ``<parameter>.grad``): after DDP's all_reduce (FSDP's reduce-scatter) they hold every rank's
+    contribution, not this rank's own."""
+    return frame.section == "backward" and bool(frame.labels) and frame.labels[-1].endswith(".grad")
+
+
 def local_shard(tensor):
     """A DTensor's local shard (FSDP2 / tensor-parallel parameters and gradients): numguard records
     what this rank holds, never gathering the rest; any other tensor as it is."""

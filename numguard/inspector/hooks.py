@@ -25,8 +25,9 @@ _ONE_IN_ONE_OUT_KINDS = _frames.ONE_IN_ONE_OUT_KINDS
 
 class ModuleHooks:
     """Hook installation and the hooks themselves, for the Inspector. They use its `_ring`,
-    `options`, `_owners`, `_module_names`, `_handles`, `_depth`, `_batch_open`, `_batches_done`
-    and `_thread`, and call its batch life cycle: `_begin_batch`, `_end_batch`,
+    `options`, `_owners`, `_module_names`, `_handles`, `_depth`, `_batch_open`, `_batches_done`,
+    `_thread`, `_reader` (the step time's clock), `_child_hooks` and `_first_child`, and call its
+    batch life cycle: `_begin_batch`, `_end_batch`,
     `_end_direct_call`, `_after_raised_forward`, `_guarded` and `_warn_once`."""
 
     def _install_hooks(self, model):
@@ -48,6 +49,7 @@ class ModuleHooks:
                 self._handles.append(module.register_forward_hook(
                     torch.compiler.disable(functools.partial(self._root_hook, owner)), with_kwargs=True))
                 self._add_after_hook(owner, module)
+                self._time_first_child(module)
             else:
                 # Without operation mode: the native fast path first, else the module hook itself.
                 hook = (functools.partial(self._hook, owner) if self._ops is not None
@@ -59,6 +61,33 @@ class ModuleHooks:
                         functools.partial(_ops_push, self._ops, owner)))
                     self._handles.append(module.register_forward_hook(
                         functools.partial(_ops_pop, self._ops, owner), always_call=True))
+
+    def _time_first_child(self, model):
+        """A pre-hook on the root's children: the step time starts the forward's clock at its first
+        child (NOTE: [step time] in checks.py). After the first batch only the hook of the child
+        that came first stays."""
+        for child in model.children():
+            handle = child.register_forward_pre_hook(functools.partial(self._child_pre_hook, id(child)))
+            self._handles.append(handle)
+            self._child_hooks.append((id(child), handle))
+
+    def _child_pre_hook(self, key, module, args):
+        if self._depth != 1 or _is_compiling():  # only inside the root's eager forward
+            return None
+        if self._first_child is None:
+            self._first_child = key
+        if key == self._first_child:
+            self._reader.inner_forward_started()
+        return None
+
+    def _keep_first_child_hook(self):
+        """Drop the pre-hooks of the root's children other than the one that came first."""
+        if self._first_child is None or len(self._child_hooks) < 2:
+            return
+        for key, handle in self._child_hooks:
+            if key != self._first_child:
+                handle.remove()
+        self._child_hooks = [(k, h) for k, h in self._child_hooks if k == self._first_child]
 
     def _add_after_hook(self, owner, module):
         # NOTE: [forward raised] Runs after the returned-hook on a normal return, alone when the
@@ -80,6 +109,8 @@ class ModuleHooks:
     def _top_pre_hook(self, owner, module, args):
         if self._depth == 0:
             self._thread = threading.get_ident()
+            if owner.is_root:
+                self._reader.forward_started()
             if not self._batch_open:
                 self._begin_batch()
             if self not in active:

@@ -10,7 +10,7 @@ from .. import report as _report
 from ..errors import HeadroomWarning, InspectorWarning, NonFiniteError, NonFiniteWarning
 from . import checks
 from . import operations as _operations
-from .frames import EXTRA, TENSOR
+from .frames import EXTRA, TENSOR, is_parameter_gradients
 from .options import STDOUT
 from .weights import LOW_PRECISION_MAX
 
@@ -42,6 +42,31 @@ def _pass_of(section):
     if section == _operations.BACKWARD_SECTION:
         return "backward"
     return section
+
+
+def fault_kind(frame):
+    """What a frame's non-finite value was (schema.FAULT_KINDS): a forward frame's, a gradient
+    tapped in the backward, or the parameter gradients recorded before the optimizer step
+    (numguard.backward labels them ``<parameter>.grad``)."""
+    if _pass_of(frame.section) != "backward":
+        return schema.FAULT_FORWARD
+    if is_parameter_gradients(frame):
+        return schema.FAULT_PARAMETER_GRADIENT
+    return schema.FAULT_GRADIENT
+
+
+def fault_ordinal(frames, offender, kind):
+    """Frames of `kind` in the offender's batch before it (NOTE: [earliest fault] in
+    numguard.distributed.coordination: ranks running the same step compare it)."""
+    off = frames[offender]
+    count = 0
+    for j in range(offender - 1, -1, -1):
+        f = frames[j]
+        if f.batch != off.batch:
+            break
+        if fault_kind(f) == kind:
+            count += 1
+    return count
 
 
 def _record_at(host_ring, position, valid_end):
@@ -264,6 +289,7 @@ class Reporter:
         module = None
         labels = []
         batch = None
+        view, offender = self.ring, None
         if status.tripped:
             view = self.ring
             if self.graph is not None and self.graph.used:
@@ -292,30 +318,45 @@ class Reporter:
                         on_report(report, sum(1 for f in view.frames[offender + 1:] if f.hf))
             else:
                 module = "(frames no longer in the ring)"
+        kind, ordinal = None, 0
+        if offender is not None and status.tripped:
+            kind = fault_kind(view.frames[offender])
+            ordinal = fault_ordinal(view.frames, offender, kind)
         ranks = []
         coordination = checks.coordination(self.warned) if status.others else None
         if coordination is not None:
             ranks = coordination.gather_trip_details(module if status.tripped else None,
                                                      batch if batch is not None else status.found_at,
-                                                     tripped=status.tripped)
+                                                     tripped=status.tripped, kind=kind, ordinal=ordinal,
+                                                     labels=labels)
+        rank = checks.rank()
+        # The fault every rank names: the earliest across ranks (NOTE: [earliest fault]).
+        first = coordination.earliest_fault(ranks) if ranks else None
+        me = rank  # the details' ranks are the default group's, as checks.rank()
+        elsewhere = first is not None and first[0] != me
         step = self._framework_step()
         if report is not None:
             report["ranks"] = [list(r) for r in ranks]
+            if first is not None:
+                report["first_fault"] = {"rank": first[0], "module": first[1], "labels": list(first.labels),
+                                         "kind": first.kind, "batch": first.batch, "this_rank": not elsewhere}
             if step is not None:
                 report["framework_step"] = {"name": step[0], "value": step[1]}
         self.last_report = report
         self.ring.reset_after_trip()
         self.forget_graph_frames()
-        rank = checks.rank()
         text = _report.render(report, self.options.extras) if report is not None else ""
         self.trips += 1
         if text:
             self.emit(text)
+        step_text = f" ({step[0]}={step[1]})" if step is not None else ""
         if report is not None and self.trip_message is not None:
             msg = self.trip_message
+        elif elsewhere:
+            msg = self._elsewhere_message(first, ranks, me, kind, labels, step_text,
+                                          batch if batch is not None else status.found_at)
         elif report is not None:
             on_rank = f" on rank {rank}" if rank is not None else ""
-            step_text = f" ({step[0]}={step[1]})" if step is not None else ""
             operation = report.get("operation")
             op_text = f" by operation {operation['op']}{_report.op_where(operation)}" if operation else ""
             replayed = report.get("replay")
@@ -325,16 +366,26 @@ class Reporter:
             msg = (f"numguard: inf/nan detected{on_rank} during batch_number={report['batch']}{step_text} in "
                    f"{module if module else '(root module)'} ({report['class']}) "
                    f"[{', '.join(labels)}]{op_text}; the report above shows the frames that led to it")
+            carried = [d for d in ranks if d[0] != me]
+            if carried:
+                msg += "; " + self._carried_text(carried, kind)
         else:
-            tripping = [r for r, m in ranks] or [i for i, v in enumerate(status.others) if v]
-            names = ", ".join(self._rank_text(detail, status.found_at) for detail in ranks) \
-                or ", ".join(f"rank {r}" for r in tripping)
+            tripping = [i for i, v in enumerate(status.others) if v]
+            names = ", ".join(f"rank {r}" for r in tripping)
             msg = (f"numguard: inf/nan detected on {names}; that rank printed the report "
                    "(this rank's values were finite)")
+        fault_rank = first[0] if first is not None else rank
+        if first is not None:
+            fault_module, fault_labels, fault_kind_ = first[1], list(first.labels), first.kind
+            fault_batch = first.batch if first.batch is not None else status.found_at
+        else:
+            fault_module, fault_labels, fault_kind_ = (module if status.tripped else None), labels, kind
+            fault_batch = batch if batch is not None else status.found_at
         if on_trip == "raise":
-            raise NonFiniteError(msg, report=text, batch_number=batch if batch is not None else status.found_at,
-                                 module=module if status.tripped else (ranks[0][1] if ranks else None),
-                                 labels=labels, rank=rank, ranks=[r for r, _ in ranks])
+            raise NonFiniteError(msg, report=text, batch_number=fault_batch, module=fault_module,
+                                 labels=fault_labels, rank=rank, ranks=[r for r, _ in ranks],
+                                 fault_rank=fault_rank, fault_kind=fault_kind_,
+                                 own_module=module if status.tripped else None)
         if on_trip == "dump" and report is not None:
             # Whatever goes wrong writing the file, the trip itself is still reported below.
             try:
@@ -347,14 +398,45 @@ class Reporter:
         warnings.warn(msg, NonFiniteWarning, stacklevel=5)
 
     @staticmethod
-    def _rank_text(detail, own_batch):
-        """'rank 1 (proj)', with the other rank's batch when it differs from this rank's."""
-        rank, module = detail[0], detail[1]
-        if module is None:
-            return f"rank {rank}"
-        batch = getattr(detail, "batch", None)
-        batch_text = f", its batch {batch}" if batch is not None and batch != own_batch else ""
-        return f"rank {rank} ({module if module else '(root module)'}{batch_text})"
+    def _fault_text(detail, own_batch=None):
+        """'rank 1 (proj [input[0], output], forward, batch_number=2)'; 'its batch N' when that
+        rank's batch differs from this rank's."""
+        where = detail[1] if detail[1] else "(root module)"
+        labels = f" [{', '.join(detail.labels)}]" if detail.labels else ""
+        batch = detail.batch
+        batch_text = None if batch is None else (
+            f"its batch {batch}" if own_batch is not None and batch != own_batch else f"batch_number={batch}")
+        what = ", ".join(x for x in (detail.kind, batch_text) if x)
+        return f"rank {detail[0]} ({where}{labels}" + (f", {what})" if what else ")")
+
+    def _carried_text(self, carried, own_kind):
+        """What the later faults of other ranks were: carried there by a collective."""
+        names = ", ".join(self._fault_text(d) for d in carried)
+        return (f"later also on {names}: a collective (DDP's gradient all_reduce, FSDP's reduce-scatter, a "
+                "collective in the forward) carried it there")
+
+    def _elsewhere_message(self, first, ranks, me, own_kind, own_labels, step_text, own_batch):
+        """The message of a rank whose own records are finite, or whose first NaN/Inf came after
+        another rank's (NOTE: [earliest fault]): it names that rank's fault, not its own."""
+        msg = (f"numguard: inf/nan detected on {self._fault_text(first, own_batch)}{step_text}; that rank "
+               "printed its report")
+        mine = next((d for d in ranks if d[0] == me), None)
+        if mine is not None:
+            what = ("parameter gradients" if own_kind == schema.FAULT_PARAMETER_GRADIENT
+                    else f"{own_kind or 'values'}s" if own_kind == schema.FAULT_GRADIENT
+                    else "values")
+            where = mine[1] if mine[1] else "(root module)"
+            how = ("the gradient all_reduce (DDP; FSDP: the reduce-scatter)"
+                   if own_kind == schema.FAULT_PARAMETER_GRADIENT else "a collective")
+            msg += (f". This rank's (rank {me}) {what} in {where} [{', '.join(own_labels)}] were poisoned by "
+                    f"{how} that carried rank {first[0]}'s NaN/Inf here: they are not where it started "
+                    "(this rank's report above shows them)")
+        else:
+            msg += " (this rank's values were finite)"
+        others = [d for d in ranks if d[0] not in (me, first[0])]
+        if others:
+            msg += "; " + self._carried_text(others, own_kind)
+        return msg
 
     def _framework_step(self):
         """(label, value) of the step counter, or None; a counter that cannot be read is skipped
