@@ -4,10 +4,13 @@ Ranks run as subprocesses of tests/doctor_rank.py, which injects a fault into on
 NUMGUARD_DOCTOR_TEST_FAULT (numguard never reads it). Every launch has a hard timeout after which
 all of its ranks are killed, so a doctor that hung would fail the test instead of the suite.
 """
+import http.server
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -23,19 +26,24 @@ RANK_SCRIPT = os.path.join(HERE, "doctor_rank.py")
 FAST = ["--sizes", "1K", "16K", "--iters", "2"]
 
 
-def launch(world, args, faults=None, absent=(), timeout=150):
-    """Run the doctor on ``world`` ranks but ``absent``; returns {rank: (rc, out, err)}."""
-    port = free_port()
+def launch(world, args, faults=None, absent=(), timeout=150, port=None, env=None):
+    """Run the doctor on ``world`` ranks but ``absent``; returns {rank: (rc, out, err)}.
+
+    ``env``: {rank: {variable: value}} added to that rank's environment.
+    """
+    port = port or free_port()
     procs = {}
     for r in range(world):
         if r in absent:
             continue
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+        environ = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
                    WORLD_SIZE=str(world), LOCAL_RANK=str(r), OMP_NUM_THREADS="1",
                    NUMGUARD_DOCTOR_TEST_FAULT=(faults or {}).get(r, ""),
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        env.pop("NUMGUARD", None)
-        procs[r] = subprocess.Popen([sys.executable, RANK_SCRIPT] + list(args), env=env, cwd=ROOT,
+        environ.pop("NUMGUARD", None)
+        environ.update((env or {}).get(r, {}))
+        procs[r] = subprocess.Popen([sys.executable, RANK_SCRIPT] + list(args), env=environ,
+                                    cwd=ROOT,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     results = {}
     try:
@@ -180,6 +188,63 @@ def test_rank_zero_that_never_starts_is_named():
     assert rc == 1
     assert "could not reach the rendezvous store at 127.0.0.1:" in err
     assert "rank 0 never started it" in err
+
+
+class _SilentServer:
+    """Accepts every connection on a free port and never says a word (a hung or foreign server)."""
+
+    def __init__(self):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted.append(conn)
+
+    def close(self):
+        for c in self.accepted:
+            c.close()
+        self.sock.close()
+
+
+class _HttpServer:
+    """A plain HTTP server: answers a store's binary greeting with 400 and keeps the socket."""
+
+    def __init__(self):
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                                      http.server.BaseHTTPRequestHandler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("server", [_SilentServer, _HttpServer])
+def test_foreign_server_on_master_port_fails_instead_of_hanging(server):
+    listener = server()
+    try:
+        res = launch(2, ["--timeout", "3"], port=listener.port, timeout=120)
+    finally:
+        listener.close()
+    assert _codes(res) == {0: 1, 1: 1}, res
+    where = f"127.0.0.1:{listener.port}"
+    # Rank 0 cannot host the store on a port that is taken; rank 1 reaches the foreign server.
+    assert f"FAILED: rank 0 could not host the rendezvous store on {where}" in res[0][2]
+    err = res[1][2]
+    assert f"FAILED: rank 1 on {socket.gethostname()}: {where} accepts connections but did not " \
+           "answer as a torch.distributed store within 3 s" in err
+    assert f"MASTER_PORT={listener.port}" in err and "free MASTER_PORT" in err
+    assert "Traceback" not in err
 
 
 def test_wrong_all_reduce_names_the_rank(tmp_path):

@@ -28,6 +28,7 @@ __all__ = ["CollectiveError", "Context", "DoctorError", "SettingError", "StepTim
            "all_gather_single", "gather_json", "parse_sizes", "reduce_scatter_single", "start"]
 
 _KEY_PREFIX = "numguard_doctor"
+_STORE_GRACE_S = 2.0
 
 
 class DoctorError(RuntimeError):
@@ -135,20 +136,7 @@ class Context:
         # Under torchrun the agent hosts the store on MASTER_PORT; every worker is a client.
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         is_master = self.rank == 0 and not agent
-        try:
-            self.store = dist.TCPStore(self.addr, self.port, self.world, is_master,
-                                       timeout=datetime.timedelta(seconds=self.timeout),
-                                       wait_for_workers=False)
-        except Exception as exc:  # noqa: BLE001 - torch raises several types for the same cause
-            if is_master:
-                raise DoctorError(f"rank 0 could not host the rendezvous store on "
-                                  f"{self.addr}:{self.port} ({exc}); pick a free "
-                                  "MASTER_PORT") from None
-            raise DoctorError(
-                f"rank {self.rank} on {self.host} could not reach the rendezvous store at "
-                f"{self.addr}:{self.port} within {self.timeout:g} s ({type(exc).__name__}): rank 0 "
-                "never started it, gave up on this rank after its own start-up timeout, or "
-                "MASTER_ADDR/MASTER_PORT differ from rank 0's") from None
+        self.store = self._open_store(is_master)
         self.store.set(self._key("arrived", self.rank), self.host)
         verdict_key = self._key("verdict")
         if self.rank == 0:
@@ -168,6 +156,45 @@ class Context:
             arrived = [r for r in range(1, self.world) if r not in missing]
             self._wait_for_keys("ack", arrived, self.timeout)
         return missing
+
+    def _open_store(self, is_master):
+        """The rendezvous store, or a :class:`DoctorError` naming the address within the timeout.
+
+        ``TCPStore(...)`` retries a refused connection for ``timeout`` by itself, but a program
+        that accepts the connection and never answers (a stale server, an HTTP server on the
+        same port) blocks it forever: the call runs in a thread we give up on at the deadline.
+        """
+        where = f"{self.addr}:{self.port}"
+        call = _Deadline(lambda: dist.TCPStore(
+            self.addr, self.port, self.world, is_master,
+            timeout=datetime.timedelta(seconds=self.timeout), wait_for_workers=False),
+            "numguard-doctor-store")
+        # The store's own retries end at `timeout`; the grace lets its clearer error come first.
+        if not call.wait(self.timeout + _STORE_GRACE_S):
+            if _accepts_connections(self.addr, self.port):
+                raise DoctorError(
+                    f"rank {self.rank} on {self.host}: {where} accepts connections but did not "
+                    f"answer as a torch.distributed store within {self.timeout:g} s: another "
+                    f"program listens on MASTER_PORT={self.port} (a stale job, a web server; see "
+                    f"`ss -ltnp 'sport = :{self.port}'` on {self.addr}). Stop it, or start every "
+                    "rank with a free MASTER_PORT")
+            raise DoctorError(
+                f"rank {self.rank} on {self.host}: the rendezvous store at {where} did not "
+                f"answer within {self.timeout:g} s; start every rank with the same "
+                "MASTER_ADDR/MASTER_PORT as rank 0, or a longer --timeout")
+        if call.error is None:
+            return call.result
+        exc = call.error
+        if is_master:
+            raise DoctorError(f"rank 0 could not host the rendezvous store on {where} "
+                              f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+                              f"another program may listen there (`ss -ltnp 'sport = "
+                              f":{self.port}'`): pick a free MASTER_PORT") from None
+        raise DoctorError(
+            f"rank {self.rank} on {self.host} could not reach the rendezvous store at "
+            f"{where} within {self.timeout:g} s ({type(exc).__name__}): rank 0 "
+            "never started it, gave up on this rank after its own start-up timeout, or "
+            "MASTER_ADDR/MASTER_PORT differ from rank 0's") from None
 
     def init_process_group(self):
         """A process group on the checked store: gloo on CPU, NCCL for CUDA tensors."""
@@ -256,6 +283,35 @@ class Context:
             if pending:
                 time.sleep(0.05)
         return pending
+
+
+class _Deadline:
+    """Run ``fn()`` in a daemon thread that the caller may abandon at a deadline."""
+
+    def __init__(self, fn, name):
+        self.result = self.error = None
+        self._done = threading.Event()
+
+        def body():
+            try:
+                self.result = fn()
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                self.error = exc
+            self._done.set()
+        threading.Thread(target=body, name=name, daemon=True).start()
+
+    def wait(self, seconds):
+        """True when ``fn`` returned or raised within ``seconds``."""
+        return self._done.wait(max(0.0, seconds))
+
+
+def _accepts_connections(addr, port, seconds=2.0):
+    """Whether something at ``addr:port`` accepts a TCP connection (it says nothing of what)."""
+    try:
+        with socket.create_connection((addr, port), timeout=seconds):
+            return True
+    except OSError:
+        return False
 
 
 class _Job:
