@@ -3,12 +3,15 @@
 NUMGUARD_DOCTOR_TEST_FAULT is read here only (numguard itself never reads it):
   wrong_all_reduce     every all_reduce on this rank returns its result plus 1
   slow_all_reduce:S    every all_reduce on this rank sleeps S seconds before it starts
+  exit_on_all_reduce:N   the N-th all_reduce on this rank calls os._exit(1) (a crash)
+  kill_on_all_reduce:N   the N-th all_reduce on this rank sends itself SIGKILL (the OOM killer)
   kernel:VERSION       platform.release() returns VERSION
   torch:VERSION        torch.__version__ reads VERSION
 Arguments are passed to ``numguard doctor``.
 """
 import os
 import platform
+import signal
 import sys
 import time
 
@@ -33,6 +36,18 @@ def _inject(fault):
     elif kind == "slow_all_reduce":
         def all_reduce(tensor, *args, **kwargs):
             time.sleep(float(value))
+            return real(tensor, *args, **kwargs)
+        dist.all_reduce = all_reduce
+    elif kind in ("exit_on_all_reduce", "kill_on_all_reduce"):
+        calls = []
+
+        def all_reduce(tensor, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == int(value):
+                sys.stdout.flush()
+                if kind == "exit_on_all_reduce":
+                    os._exit(1)
+                os.kill(os.getpid(), signal.SIGKILL)
             return real(tensor, *args, **kwargs)
         dist.all_reduce = all_reduce
     elif kind == "kernel":

@@ -290,6 +290,29 @@ def test_step_timeout_names_the_stuck_rank(tmp_path):
     assert timed_out["ranks"] == [1] and timed_out["hosts"] == [data["facts"][1]["host"]]
 
 
+def test_rank_that_dies_mid_run_is_named_on_every_survivor_and_in_the_json(tmp_path):
+    path = _json(tmp_path)
+    res = launch(3, FAST + ["--timeout", "5", "--json", path], faults={1: "exit_on_all_reduce:3"})
+    assert _codes(res) == {0: 1, 1: 1, 2: 1}, res
+    data = _load(path)
+    (failure,) = data["failures"]
+    assert failure["kind"] == "error" and failure["rank"] == 0
+    assert failure["died"] == [1] and failure["failed"] == [0, 2], failure
+    assert "ranks that died: [1]" in failure["message"]
+    (failed,) = [f for f in data["findings"] if f["code"] == "step_error"]
+    assert failed["ranks"] == [1] and failed["hosts"] == [data["facts"][1]["host"]]
+    assert "Ranks [1] died during the run" in failed["advice"]
+    assert "ranks that died: [1]" in res[0][1]
+    assert "numguard doctor: rank 2: step " in res[2][2] and "ranks that died: [1]" in res[2][2]
+
+
+def test_rank_zero_killed_mid_run_is_named_by_the_others():
+    # Rank 0 hosts the store, so the survivors learn of its death from the store going away.
+    res = launch(2, FAST + ["--timeout", "5"], faults={0: "kill_on_all_reduce:2"})
+    assert res[0][0] == -9 and res[1][0] == 1, res
+    assert "numguard doctor: rank 1: step " in res[1][2] and "ranks that died: [0]" in res[1][2]
+
+
 def test_old_kernel_on_one_rank(tmp_path):
     path = _json(tmp_path)
     res = launch(2, FAST + ["--json", path], faults={1: "kernel:5.4.0-150-generic"})

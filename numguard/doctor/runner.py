@@ -14,7 +14,8 @@ import time
 import torch
 
 from . import checks, facts as _facts, findings as _findings, performance, report
-from .launcher import DoctorError, StepTimeout, gather_json, start
+from .launcher import (CENSUS, CollectiveError, DoctorError, StepTimeout, describe_census,
+                       gather_json, start)
 
 __all__ = ["Options", "run"]
 
@@ -108,6 +109,18 @@ def _hard_exit(code):
     os._exit(code)
 
 
+def _fail(ctx, result, options, kind, step, message, census):
+    """Record the failure, print it, wait for the others (rank 0 hosts the store) and leave."""
+    result["status"] = "failed"
+    failure = {"rank": ctx.rank, "kind": kind, "step": step, "message": message}
+    failure.update({key: census.get(key, []) for key, _ in CENSUS})
+    result["failures"].append(failure)
+    result["findings"].append(_findings.failed_step(failure, result["facts"]))
+    code = _output(ctx, result, options)
+    ctx.leave()
+    _hard_exit(code)
+
+
 def run(options):
     """Run the doctor on this rank; returns the exit status (or leaves the process on a timeout)."""
     ctx = start(options.timeout)
@@ -131,27 +144,21 @@ def run(options):
             sys.stderr.write(f"numguard doctor: rank {ctx.rank}: ranks that never joined within "
                              f"{options.timeout:g} s: {missing}\n")
         return _output(ctx, result, options)
-    ctx.init_process_group()
-    result["backend"] = ctx.backend
     try:
+        ctx.init_process_group()
+        result["backend"] = ctx.backend
         _examine(ctx, result, options)
-    except StepTimeout as exc:
-        result["status"] = "failed"
-        result["failures"].append({"rank": ctx.rank, "kind": "timeout", "step": exc.step,
-                                   "message": str(exc),
-                                   "not_started": exc.not_started, "stuck": exc.stuck,
-                                   "waiting": exc.waiting})
-        result["findings"].append(_findings.failed_step(result["failures"][-1], result["facts"]))
-        _hard_exit(_output(ctx, result, options))
-    except RuntimeError as exc:  # a collective failed (a peer died, a backend error)
-        result["status"] = "failed"
-        result["failures"].append({"rank": ctx.rank, "kind": "error", "step": None,
-                                   "not_started": None,
-                                   "stuck": None, "waiting": None,
-                                   "message": "a collective failed: "
-                                   + (str(exc).splitlines() or [type(exc).__name__])[0]})
-        result["findings"].append(_findings.failed_step(result["failures"][-1], result["facts"]))
-        _hard_exit(_output(ctx, result, options))
+    except (StepTimeout, CollectiveError) as exc:
+        _fail(ctx, result, options, "timeout" if isinstance(exc, StepTimeout) else "error",
+              exc.step, str(exc), exc.census)
+    except DoctorError:
+        raise
+    except RuntimeError as exc:  # raised outside a step's wait (a backend error when issued)
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        census = ctx.census(mark="failed")
+        _fail(ctx, result, options, "error", None,
+              f"a collective failed on rank {ctx.rank} ({first}); {describe_census(census)}",
+              census)
     code = _output(ctx, result, options)
     torch.distributed.destroy_process_group()
     return code
