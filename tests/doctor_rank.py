@@ -5,6 +5,7 @@ NUMGUARD_DOCTOR_TEST_FAULT is read here only (numguard itself never reads it):
   slow_all_reduce:S    every all_reduce on this rank sleeps S seconds before it starts
   exit_on_all_reduce:N   the N-th all_reduce on this rank calls os._exit(1) (a crash)
   kill_on_all_reduce:N   the N-th all_reduce on this rank sends itself SIGKILL (the OOM killer)
+  json_write_fails     writing the --json file fails as on a full disk (ENOSPC)
   kernel:VERSION       platform.release() returns VERSION
   torch:VERSION        torch.__version__ reads VERSION
 Arguments are passed to ``numguard doctor``.
@@ -50,6 +51,14 @@ def _inject(fault):
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(tensor, *args, **kwargs)
         dist.all_reduce = all_reduce
+    elif kind == "json_write_fails":
+        import errno
+
+        from numguard.doctor import report
+
+        def write_json(result, path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        report.write_json = write_json
     elif kind == "kernel":
         platform.release = lambda: value
     elif kind == "torch":

@@ -313,6 +313,39 @@ def test_rank_zero_killed_mid_run_is_named_by_the_others():
     assert "numguard doctor: rank 1: step " in res[1][2] and "ranks that died: [0]" in res[1][2]
 
 
+def test_unwritable_json_is_refused_before_the_run_on_every_rank(tmp_path):
+    (tmp_path / "a_file").write_text("not a folder")
+    bad = str(tmp_path / "a_file" / "doctor.json")  # unwritable for root too
+    res = launch(2, FAST + ["--json", bad])
+    assert _codes(res) == {0: 2, 1: 2}, res
+    assert f"numguard doctor: --json {bad!r} cannot be written (" in res[0][2]
+    assert f"numguard doctor: rank 0 refused to start: --json {bad!r} cannot be written" \
+        in res[1][2]
+    for rc, out, err in res.values():
+        assert "Traceback" not in err and out == ""  # nothing ran
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_json_or_plot_path_that_is_a_folder_is_a_usage_error(monkeypatch, capsys, tmp_path,
+                                                              option):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["doctor", option, str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"numguard doctor: {option} {str(tmp_path)!r} is a folder; give the path of a file" \
+        in err
+
+
+def test_json_that_fails_at_the_end_keeps_the_report(tmp_path):
+    path = _json(tmp_path)
+    res = launch(1, FAST + ["--json", path], faults={0: "json_write_fails"})
+    rc, out, err = res[0]
+    assert rc == 1, res
+    assert "numguard doctor: 1 rank(s), backend gloo: HEALTHY" in out and "Findings" in out
+    assert f"numguard doctor --json: cannot write {path!r} (No space left on device)" in err
+    assert "Traceback" not in err and not os.path.exists(path)
+
+
 def test_old_kernel_on_one_rank(tmp_path):
     path = _json(tmp_path)
     res = launch(2, FAST + ["--json", path], faults={1: "kernel:5.4.0-150-generic"})

@@ -159,8 +159,13 @@ class Context:
         self.arrived = {}  # rank -> host of the ranks that joined; rank 0 reads it in connect()
 
     # -- start-up ------------------------------------------------------------------------------
-    def connect(self):
-        """Connect to the store and wait for every rank; returns the ranks that never joined."""
+    def connect(self, refusal=None):
+        """Connect to the store and wait for every rank; returns the ranks that never joined.
+
+        ``refusal`` (rank 0 only): a usage error found before the run (an unwritable --json
+        path). Rank 0 publishes it at once instead of a verdict on who arrived, every rank
+        leaves with it as a :class:`SettingError`, and nothing is run.
+        """
         # Under torchrun the agent hosts the store on MASTER_PORT; every worker is a client.
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         is_master = self.rank == 0 and not agent
@@ -170,21 +175,29 @@ class Context:
         self.store.set(self._key("arrived", self.rank), self.host)
         verdict_key = self._key("verdict")
         if self.rank == 0:
-            missing = self._wait_for_keys("arrived", range(self.world), self.timeout)
-            self.store.set(verdict_key, json.dumps(missing))
+            if refusal:
+                verdict = {"refused": refusal}
+            else:
+                verdict = {"missing": self._wait_for_keys("arrived", range(self.world),
+                                                          self.timeout)}
+            self.store.set(verdict_key, json.dumps(verdict))
             self.arrived = self._arrived_hosts()
         else:
             # Rank 0 publishes its verdict at most `timeout` after it arrived; allow as long again.
             if self._wait_for_keys("verdict", [None], 2 * self.timeout + 5):
                 raise DoctorError(f"rank {self.rank}: rank 0 published no start-up verdict within "
                                   f"{2 * self.timeout + 5:g} s; it may have died after it started")
-            missing = json.loads(self.store.get(verdict_key))
+            verdict = json.loads(self.store.get(verdict_key))
             self.store.set(self._key("ack", self.rank), "1")
-        if missing and self.rank == 0:
+        missing = verdict.get("missing", [])
+        if (missing or "refused" in verdict) and self.rank == 0:
             # The others leave on this verdict too; keep the store (this process) up until they
-            # have read it, or they would report an unreachable store instead of the missing ranks.
+            # have read it, or they would report an unreachable store instead of the verdict.
             arrived = [r for r in range(1, self.world) if r not in missing]
             self._wait_for_keys("ack", arrived, self.timeout)
+        if "refused" in verdict:
+            raise SettingError(verdict["refused"] if self.rank == 0 else
+                               f"rank 0 refused to start: {verdict['refused']}")
         return missing
 
     def _open_store(self, is_master):

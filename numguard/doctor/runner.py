@@ -14,8 +14,8 @@ import time
 import torch
 
 from . import checks, facts as _facts, findings as _findings, performance, report
-from .launcher import (CENSUS, CollectiveError, DoctorError, StepTimeout, describe_census,
-                       gather_json, start)
+from .launcher import (CENSUS, CollectiveError, DoctorError, SettingError, StepTimeout,
+                       describe_census, gather_json, start)
 
 __all__ = ["Options", "run"]
 
@@ -44,7 +44,12 @@ def _nccl_dir(options):
 def _setup_nccl_debug(ctx, options):
     # NCCL reads these when its first communicator starts, i.e. after init_process_group.
     folder = _nccl_dir(options)
-    os.makedirs(folder, exist_ok=True)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise SettingError(f"--nccl-debug: cannot create {folder!r} for the NCCL logs "
+                           f"({exc.strerror or exc}); give --json a path in a folder you can "
+                           "write to (the logs go next to it)") from None
     path = os.path.join(folder, f"rank{ctx.rank}.{ctx.host}.log")
     os.environ["NCCL_DEBUG"] = "INFO"
     os.environ["NCCL_DEBUG_FILE"] = path
@@ -89,8 +94,17 @@ def _output(ctx, result, options):
         return code
     sys.stdout.write(report.render(result))
     if options.json:
-        report.write_json(result, options.json)
-        sys.stdout.write(f"numguard doctor: JSON written to {options.json}\n")
+        try:
+            report.write_json(result, options.json)
+            sys.stdout.write(f"numguard doctor: JSON written to {options.json}\n")
+        except OSError as exc:
+            # Checked before the run, so this is new (a full disk, a folder removed): the
+            # report above is all there is; say so, and do not call the run a success.
+            sys.stdout.flush()
+            sys.stderr.write(f"numguard doctor --json: cannot write {options.json!r} "
+                             f"({exc.strerror or exc}); the report above on stdout is complete, "
+                             "the JSON file was not written\n")
+            code = max(code, 1)
     if options.plot and result["performance"]:
         try:
             report.write_plot(result, options.plot)
@@ -124,13 +138,21 @@ def _fail(ctx, result, options, kind, step, message, census):
 def run(options):
     """Run the doctor on this rank; returns the exit status (or leaves the process on a timeout)."""
     ctx = start(options.timeout)
+    # Rank 0 writes the files: find a path it cannot write before the run, not after it.
+    refusal = None
+    if ctx.rank == 0:
+        refusal = next(filter(None, (report.unwritable(path, option) for option, path in
+                                     (("--json", options.json), ("--plot", options.plot))
+                                     if path)), None)
+    if refusal and ctx.world == 1:
+        raise SettingError(refusal)
     result = {"schema": SCHEMA_ID, "status": "healthy", "world_size": ctx.world,
               "backend": None, "options": dataclasses.asdict(options), "missing_ranks": [],
               "arrived": {}, "failures": [], "facts": [], "findings": [], "checks": [],
               "performance": None, "nccl_debug": None, "nccl_logs": [], "started_unix": time.time()}
     if options.nccl_debug:
         result["nccl_debug"] = _setup_nccl_debug(ctx, options)
-    missing = ctx.connect()
+    missing = ctx.connect(refusal)
     result["arrived"] = {str(r): h for r, h in ctx.arrived.items()}
     if missing:
         result["missing_ranks"] = missing
