@@ -151,7 +151,9 @@ def _doctor(args):
     try:
         return doctor.run(options)
     except doctor.DoctorError as exc:
-        return _fail(f"doctor: {exc}", status=exc.status)
+        # A usage error (2) is the user's to fix; anything else is the job failing its check.
+        verdict = "" if exc.status == 2 else "FAILED: "
+        return _fail(f"doctor: {verdict}{exc}", status=exc.status)
 
 
 def _fail(message, status=2):

@@ -3,12 +3,16 @@
 NUMGUARD_DOCTOR_TEST_FAULT is read here only (numguard itself never reads it):
   wrong_all_reduce     every all_reduce on this rank returns its result plus 1
   slow_all_reduce:S    every all_reduce on this rank sleeps S seconds before it starts
+  exit_on_all_reduce:N   the N-th all_reduce on this rank calls os._exit(1) (a crash)
+  kill_on_all_reduce:N   the N-th all_reduce on this rank sends itself SIGKILL (the OOM killer)
+  json_write_fails     writing the --json file fails as on a full disk (ENOSPC)
   kernel:VERSION       platform.release() returns VERSION
   torch:VERSION        torch.__version__ reads VERSION
 Arguments are passed to ``numguard doctor``.
 """
 import os
 import platform
+import signal
 import sys
 import time
 
@@ -35,6 +39,26 @@ def _inject(fault):
             time.sleep(float(value))
             return real(tensor, *args, **kwargs)
         dist.all_reduce = all_reduce
+    elif kind in ("exit_on_all_reduce", "kill_on_all_reduce"):
+        calls = []
+
+        def all_reduce(tensor, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == int(value):
+                sys.stdout.flush()
+                if kind == "exit_on_all_reduce":
+                    os._exit(1)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(tensor, *args, **kwargs)
+        dist.all_reduce = all_reduce
+    elif kind == "json_write_fails":
+        import errno
+
+        from numguard.doctor import report
+
+        def write_json(result, path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        report.write_json = write_json
     elif kind == "kernel":
         platform.release = lambda: value
     elif kind == "torch":

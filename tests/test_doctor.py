@@ -4,10 +4,13 @@ Ranks run as subprocesses of tests/doctor_rank.py, which injects a fault into on
 NUMGUARD_DOCTOR_TEST_FAULT (numguard never reads it). Every launch has a hard timeout after which
 all of its ranks are killed, so a doctor that hung would fail the test instead of the suite.
 """
+import http.server
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -23,19 +26,24 @@ RANK_SCRIPT = os.path.join(HERE, "doctor_rank.py")
 FAST = ["--sizes", "1K", "16K", "--iters", "2"]
 
 
-def launch(world, args, faults=None, absent=(), timeout=150):
-    """Run the doctor on ``world`` ranks but ``absent``; returns {rank: (rc, out, err)}."""
-    port = free_port()
+def launch(world, args, faults=None, absent=(), timeout=150, port=None, env=None):
+    """Run the doctor on ``world`` ranks but ``absent``; returns {rank: (rc, out, err)}.
+
+    ``env``: {rank: {variable: value}} added to that rank's environment.
+    """
+    port = port or free_port()
     procs = {}
     for r in range(world):
         if r in absent:
             continue
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+        environ = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
                    WORLD_SIZE=str(world), LOCAL_RANK=str(r), OMP_NUM_THREADS="1",
                    NUMGUARD_DOCTOR_TEST_FAULT=(faults or {}).get(r, ""),
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        env.pop("NUMGUARD", None)
-        procs[r] = subprocess.Popen([sys.executable, RANK_SCRIPT] + list(args), env=env, cwd=ROOT,
+        environ.pop("NUMGUARD", None)
+        environ.update((env or {}).get(r, {}))
+        procs[r] = subprocess.Popen([sys.executable, RANK_SCRIPT] + list(args), env=environ,
+                                    cwd=ROOT,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     results = {}
     try:
@@ -182,6 +190,63 @@ def test_rank_zero_that_never_starts_is_named():
     assert "rank 0 never started it" in err
 
 
+class _SilentServer:
+    """Accepts every connection on a free port and never says a word (a hung or foreign server)."""
+
+    def __init__(self):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted.append(conn)
+
+    def close(self):
+        for c in self.accepted:
+            c.close()
+        self.sock.close()
+
+
+class _HttpServer:
+    """A plain HTTP server: answers a store's binary greeting with 400 and keeps the socket."""
+
+    def __init__(self):
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                                      http.server.BaseHTTPRequestHandler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("server", [_SilentServer, _HttpServer])
+def test_foreign_server_on_master_port_fails_instead_of_hanging(server):
+    listener = server()
+    try:
+        res = launch(2, ["--timeout", "3"], port=listener.port, timeout=120)
+    finally:
+        listener.close()
+    assert _codes(res) == {0: 1, 1: 1}, res
+    where = f"127.0.0.1:{listener.port}"
+    # Rank 0 cannot host the store on a port that is taken; rank 1 reaches the foreign server.
+    assert f"FAILED: rank 0 could not host the rendezvous store on {where}" in res[0][2]
+    err = res[1][2]
+    assert f"FAILED: rank 1 on {socket.gethostname()}: {where} accepts connections but did not " \
+           "answer as a torch.distributed store within 3 s" in err
+    assert f"MASTER_PORT={listener.port}" in err and "free MASTER_PORT" in err
+    assert "Traceback" not in err
+
+
 def test_wrong_all_reduce_names_the_rank(tmp_path):
     path = _json(tmp_path)
     res = launch(2, FAST + ["--json", path], faults={1: "wrong_all_reduce"})
@@ -223,6 +288,62 @@ def test_step_timeout_names_the_stuck_rank(tmp_path):
     assert "ranks inside it that stopped making progress: [1]" in res[0][1]
     (timed_out,) = [f for f in data["findings"] if f["code"] == "step_timeout"]
     assert timed_out["ranks"] == [1] and timed_out["hosts"] == [data["facts"][1]["host"]]
+
+
+def test_rank_that_dies_mid_run_is_named_on_every_survivor_and_in_the_json(tmp_path):
+    path = _json(tmp_path)
+    res = launch(3, FAST + ["--timeout", "5", "--json", path], faults={1: "exit_on_all_reduce:3"})
+    assert _codes(res) == {0: 1, 1: 1, 2: 1}, res
+    data = _load(path)
+    (failure,) = data["failures"]
+    assert failure["kind"] == "error" and failure["rank"] == 0
+    assert failure["died"] == [1] and failure["failed"] == [0, 2], failure
+    assert "ranks that died: [1]" in failure["message"]
+    (failed,) = [f for f in data["findings"] if f["code"] == "step_error"]
+    assert failed["ranks"] == [1] and failed["hosts"] == [data["facts"][1]["host"]]
+    assert "Ranks [1] died during the run" in failed["advice"]
+    assert "ranks that died: [1]" in res[0][1]
+    assert "numguard doctor: rank 2: step " in res[2][2] and "ranks that died: [1]" in res[2][2]
+
+
+def test_rank_zero_killed_mid_run_is_named_by_the_others():
+    # Rank 0 hosts the store, so the survivors learn of its death from the store going away.
+    res = launch(2, FAST + ["--timeout", "5"], faults={0: "kill_on_all_reduce:2"})
+    assert res[0][0] == -9 and res[1][0] == 1, res
+    assert "numguard doctor: rank 1: step " in res[1][2] and "ranks that died: [0]" in res[1][2]
+
+
+def test_unwritable_json_is_refused_before_the_run_on_every_rank(tmp_path):
+    (tmp_path / "a_file").write_text("not a folder")
+    bad = str(tmp_path / "a_file" / "doctor.json")  # unwritable for root too
+    res = launch(2, FAST + ["--json", bad])
+    assert _codes(res) == {0: 2, 1: 2}, res
+    assert f"numguard doctor: --json {bad!r} cannot be written (" in res[0][2]
+    assert f"numguard doctor: rank 0 refused to start: --json {bad!r} cannot be written" \
+        in res[1][2]
+    for rc, out, err in res.values():
+        assert "Traceback" not in err and out == ""  # nothing ran
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_json_or_plot_path_that_is_a_folder_is_a_usage_error(monkeypatch, capsys, tmp_path,
+                                                              option):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["doctor", option, str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"numguard doctor: {option} {str(tmp_path)!r} is a folder; give the path of a file" \
+        in err
+
+
+def test_json_that_fails_at_the_end_keeps_the_report(tmp_path):
+    path = _json(tmp_path)
+    res = launch(1, FAST + ["--json", path], faults={0: "json_write_fails"})
+    rc, out, err = res[0]
+    assert rc == 1, res
+    assert "numguard doctor: 1 rank(s), backend gloo: HEALTHY" in out and "Findings" in out
+    assert f"numguard doctor --json: cannot write {path!r} (No space left on device)" in err
+    assert "Traceback" not in err and not os.path.exists(path)
 
 
 def test_old_kernel_on_one_rank(tmp_path):

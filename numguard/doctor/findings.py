@@ -230,12 +230,23 @@ def missing_ranks(missing, arrived, timeout):
 
 
 def failed_step(failure, facts):
-    """The error for a step that timed out or failed on this rank."""
-    stuck = [r for r in failure.get("stuck") or [] if isinstance(r, int)]
-    hosts = sorted({facts[r]["host"] for r in stuck if r < len(facts)})
+    """The error for a step that timed out or failed on this rank, naming the ranks at fault."""
+    def ranks(key):
+        value = failure.get(key)
+        return [r for r in value if isinstance(r, int)] if isinstance(value, list) else []
+    died, stuck, absent = ranks("died"), ranks("stuck"), ranks("not_started")
+    at_fault = sorted(set(died) | set(stuck) | set(absent))
+    advice = []
+    if died:
+        advice.append(f"Ranks {died} died during the run: read their own output and the "
+                      "launcher's log for their exit status; a process killed without a word is "
+                      "often the kernel's OOM killer (dmesg | grep -i -e oom -e killed on its "
+                      "host) or a crash in a native library.")
+    if stuck or absent or not died:
+        advice.append("The ranks that stopped making progress are hung or far slower than the "
+                      "others: look at them while they hang (py-spy dump --pid PID), at their "
+                      "host's load and devices, and on GPUs rerun with --nccl-debug.")
     return {"severity": "error", "code": "step_" + failure["kind"],
             "title": f"rank {failure['rank']}: {failure['message']}", "detail": None,
-            "advice": "The ranks that stopped making progress are hung or far slower than the "
-                      "others: look at them while they hang (py-spy dump --pid PID), at their "
-                      "host's load and devices, and on GPUs rerun with --nccl-debug.",
-            "ranks": stuck, "hosts": hosts}
+            "advice": " ".join(advice), "ranks": at_fault,
+            "hosts": sorted({facts[r]["host"] for r in at_fault if r < len(facts)})}

@@ -6,9 +6,11 @@ every key, then publishes the list of ranks that never joined. Only when that li
 process group created, on the same store, so ``init_process_group`` never waits for a missing rank.
 
 Steps: every collective is issued with ``async_op=True`` and waited for with a deadline; a step
-that runs out of time raises :class:`StepTimeout` naming the ranks that never reached it, those
-inside it that stopped making progress, and those waiting for them (each rank marks in the store
-when it enters a step, finishes it, or times out waiting).
+that runs out of time raises :class:`StepTimeout`, one that fails (a peer died, a backend error)
+:class:`CollectiveError`. Both carry a census naming the ranks that died, never reached the step,
+stopped making progress inside it, saw it fail, or wait for the others: each rank marks in the
+store when it enters a step, finishes it, times out or fails in it, and a heartbeat thread bumps
+a counter of its own, so a rank whose counter stands still is dead, not slow.
 """
 from __future__ import annotations
 
@@ -24,10 +26,16 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "Context", "DoctorError", "SettingError", "StepTimeout",
-           "all_gather_single", "gather_json", "parse_sizes", "reduce_scatter_single", "start"]
+__all__ = ["CENSUS", "CollectiveError", "Context", "DoctorError", "SettingError", "StepTimeout",
+           "all_gather_single", "describe_census", "gather_json", "parse_sizes",
+           "reduce_scatter_single", "start"]
 
 _KEY_PREFIX = "numguard_doctor"
+_STORE_GRACE_S = 2.0
+HEARTBEAT_S = 0.5
+# A rank whose heartbeat did not move for this long is dead (or frozen whole): six beats, so a
+# live rank on a loaded machine, whose thread runs late, is not taken for dead.
+LIFE_WINDOW_S = 3.0
 
 
 class DoctorError(RuntimeError):
@@ -45,25 +53,45 @@ class SettingError(DoctorError):
     status = 2
 
 
-class CollectiveError(DoctorError):
-    """A collective that was issued failed while this rank waited for it (e.g. a peer died)."""
+# Where the other ranks are when a step fails on this one (the census), in the order a message
+# names them. Each value is a sorted list of ranks, or a string when the store could not say.
+CENSUS = (("died", "ranks that died"),
+          ("not_started", "ranks that never reached it"),
+          ("stuck", "ranks inside it that stopped making progress"),
+          ("failed", "ranks that saw it fail"),
+          ("waiting", "ranks waiting for them"))
 
 
-class StepTimeout(DoctorError):
+def describe_census(census):
+    """``"ranks that died: [1]; ranks waiting for them: [0, 2]"``: the groups that are not empty."""
+    parts = [f"{label}: {census[key]}" for key, label in CENSUS if census.get(key)]
+    return "; ".join(parts) or "no other rank reported where it is"
+
+
+class _StepFailure(DoctorError):
+    """A step that did not end well on this rank; ``census`` says where every rank is."""
+
+    def __init__(self, step, message, census):
+        self.step, self.census = step, census
+        super().__init__(f"{message}; {describe_census(census)}")
+
+
+class CollectiveError(_StepFailure):
+    """A step failed on this rank (a collective raised, e.g. a peer died; the store went away)."""
+
+
+class StepTimeout(_StepFailure):
     """A step did not finish on this rank within its timeout.
 
-    ``stuck``: ranks inside the step that are not waiting for anyone (the likely cause: hung in
-    their own work or in issuing a collective); ``waiting``: ranks whose part is issued and that
-    wait for the others; ``not_started``: ranks that never reached the step.
+    Census: ``stuck``: ranks inside the step that are not waiting for anyone (the likely cause:
+    hung in their own work or in issuing a collective); ``waiting``: ranks whose part is issued
+    and that wait for the others; ``not_started``: ranks that never reached the step; ``died``:
+    ranks whose heartbeat stopped; ``failed``: ranks on which the step raised.
     """
 
-    def __init__(self, step, timeout, not_started, stuck, waiting):
-        self.step, self.timeout = step, timeout
-        self.not_started, self.stuck, self.waiting = not_started, stuck, waiting
-        super().__init__(
-            f"step {step!r} did not finish within {timeout:g} s: ranks that never reached it: "
-            f"{not_started}; ranks inside it that stopped making progress: {stuck}; ranks "
-            f"waiting for them: {waiting}")
+    def __init__(self, step, timeout, census):
+        self.timeout = timeout
+        super().__init__(step, f"step {step!r} did not finish within {timeout:g} s", census)
 
 
 _UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": 1024 ** 2, "MB": 1024 ** 2,
@@ -122,6 +150,7 @@ class Context:
         # torchrun restarts reuse the agent's store: keys of an earlier attempt must not count.
         self.prefix = f"{_KEY_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self.store = None
+        self._agent_store = False
         self.cuda = torch.cuda.is_available()
         self.device = torch.device("cpu")
         self.backend = "gloo"
@@ -130,44 +159,85 @@ class Context:
         self.arrived = {}  # rank -> host of the ranks that joined; rank 0 reads it in connect()
 
     # -- start-up ------------------------------------------------------------------------------
-    def connect(self):
-        """Connect to the store and wait for every rank; returns the ranks that never joined."""
+    def connect(self, refusal=None):
+        """Connect to the store and wait for every rank; returns the ranks that never joined.
+
+        ``refusal`` (rank 0 only): a usage error found before the run (an unwritable --json
+        path). Rank 0 publishes it at once instead of a verdict on who arrived, every rank
+        leaves with it as a :class:`SettingError`, and nothing is run.
+        """
         # Under torchrun the agent hosts the store on MASTER_PORT; every worker is a client.
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         is_master = self.rank == 0 and not agent
-        try:
-            self.store = dist.TCPStore(self.addr, self.port, self.world, is_master,
-                                       timeout=datetime.timedelta(seconds=self.timeout),
-                                       wait_for_workers=False)
-        except Exception as exc:  # noqa: BLE001 - torch raises several types for the same cause
-            if is_master:
-                raise DoctorError(f"rank 0 could not host the rendezvous store on "
-                                  f"{self.addr}:{self.port} ({exc}); pick a free "
-                                  "MASTER_PORT") from None
-            raise DoctorError(
-                f"rank {self.rank} on {self.host} could not reach the rendezvous store at "
-                f"{self.addr}:{self.port} within {self.timeout:g} s ({type(exc).__name__}): rank 0 "
-                "never started it, gave up on this rank after its own start-up timeout, or "
-                "MASTER_ADDR/MASTER_PORT differ from rank 0's") from None
+        self.store = self._open_store(is_master)
+        self._agent_store = agent
+        self._heartbeat = _Heartbeat(self)
         self.store.set(self._key("arrived", self.rank), self.host)
         verdict_key = self._key("verdict")
         if self.rank == 0:
-            missing = self._wait_for_keys("arrived", range(self.world), self.timeout)
-            self.store.set(verdict_key, json.dumps(missing))
+            if refusal:
+                verdict = {"refused": refusal}
+            else:
+                verdict = {"missing": self._wait_for_keys("arrived", range(self.world),
+                                                          self.timeout)}
+            self.store.set(verdict_key, json.dumps(verdict))
             self.arrived = self._arrived_hosts()
         else:
             # Rank 0 publishes its verdict at most `timeout` after it arrived; allow as long again.
             if self._wait_for_keys("verdict", [None], 2 * self.timeout + 5):
                 raise DoctorError(f"rank {self.rank}: rank 0 published no start-up verdict within "
                                   f"{2 * self.timeout + 5:g} s; it may have died after it started")
-            missing = json.loads(self.store.get(verdict_key))
+            verdict = json.loads(self.store.get(verdict_key))
             self.store.set(self._key("ack", self.rank), "1")
-        if missing and self.rank == 0:
+        missing = verdict.get("missing", [])
+        if (missing or "refused" in verdict) and self.rank == 0:
             # The others leave on this verdict too; keep the store (this process) up until they
-            # have read it, or they would report an unreachable store instead of the missing ranks.
+            # have read it, or they would report an unreachable store instead of the verdict.
             arrived = [r for r in range(1, self.world) if r not in missing]
             self._wait_for_keys("ack", arrived, self.timeout)
+        if "refused" in verdict:
+            raise SettingError(verdict["refused"] if self.rank == 0 else
+                               f"rank 0 refused to start: {verdict['refused']}")
         return missing
+
+    def _open_store(self, is_master):
+        """The rendezvous store, or a :class:`DoctorError` naming the address within the timeout.
+
+        ``TCPStore(...)`` retries a refused connection for ``timeout`` by itself, but a program
+        that accepts the connection and never answers (a stale server, an HTTP server on the
+        same port) blocks it forever: the call runs in a thread we give up on at the deadline.
+        """
+        where = f"{self.addr}:{self.port}"
+        call = _Deadline(lambda: dist.TCPStore(
+            self.addr, self.port, self.world, is_master,
+            timeout=datetime.timedelta(seconds=self.timeout), wait_for_workers=False),
+            "numguard-doctor-store")
+        # The store's own retries end at `timeout`; the grace lets its clearer error come first.
+        if not call.wait(self.timeout + _STORE_GRACE_S):
+            if _accepts_connections(self.addr, self.port):
+                raise DoctorError(
+                    f"rank {self.rank} on {self.host}: {where} accepts connections but did not "
+                    f"answer as a torch.distributed store within {self.timeout:g} s: another "
+                    f"program listens on MASTER_PORT={self.port} (a stale job, a web server; see "
+                    f"`ss -ltnp 'sport = :{self.port}'` on {self.addr}). Stop it, or start every "
+                    "rank with a free MASTER_PORT")
+            raise DoctorError(
+                f"rank {self.rank} on {self.host}: the rendezvous store at {where} did not "
+                f"answer within {self.timeout:g} s; start every rank with the same "
+                "MASTER_ADDR/MASTER_PORT as rank 0, or a longer --timeout")
+        if call.error is None:
+            return call.result
+        exc = call.error
+        if is_master:
+            raise DoctorError(f"rank 0 could not host the rendezvous store on {where} "
+                              f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+                              f"another program may listen there (`ss -ltnp 'sport = "
+                              f":{self.port}'`): pick a free MASTER_PORT") from None
+        raise DoctorError(
+            f"rank {self.rank} on {self.host} could not reach the rendezvous store at "
+            f"{where} within {self.timeout:g} s ({type(exc).__name__}): rank 0 "
+            "never started it, gave up on this rank after its own start-up timeout, or "
+            "MASTER_ADDR/MASTER_PORT differ from rank 0's") from None
 
     def init_process_group(self):
         """A process group on the checked store: gloo on CPU, NCCL for CUDA tensors."""
@@ -178,11 +248,24 @@ class Context:
             # CPU tensors (facts, timings) go through gloo, so a broken NCCL cannot hide them.
             self.backend = "cpu:gloo,cuda:nccl"
         store = dist.PrefixStore(self.prefix + "/pg", self.store)
-        dist.init_process_group(self.backend, store=store,
-                                rank=self.rank, world_size=self.world,
-                                # Longer than a step's timeout: the step names the late ranks
-                                # before NCCL's watchdog would abort the process without a word.
-                                timeout=datetime.timedelta(seconds=2 * self.timeout + 10))
+
+        def init():
+            if self.cuda:
+                torch.cuda.set_device(self.device)  # the current device is per thread
+            dist.init_process_group(self.backend, store=store,
+                                    rank=self.rank, world_size=self.world,
+                                    # Longer than a step's timeout: the step names the late ranks
+                                    # before NCCL's watchdog would abort the process without a word.
+                                    timeout=datetime.timedelta(seconds=2 * self.timeout + 10))
+        # Gloo connects every pair here and waits for a rank that died after it arrived.
+        name = "start the process group"
+        tag = self._enter()
+        call = _Deadline(init, "numguard-doctor-init")
+        if not call.wait(self.timeout):
+            raise self._timed_out(name, tag, self.timeout)
+        if call.error is not None:
+            raise self._failed(name, tag, call.error)
+        self._mark("done", tag)
 
     def _arrived_hosts(self):
         """``{rank: host}`` for the ranks whose arrival key is set (never blocks)."""
@@ -197,14 +280,26 @@ class Context:
     def step(self, name, issue, timeout=None):
         """Run ``issue()`` (returns async works) and wait for them; :class:`StepTimeout` if late."""
         timeout = self.timeout if timeout is None else timeout
-        self._step += 1
-        tag = f"{self._step}"
-        self.store.set(self._key("entered", tag, self.rank), "1")
+        tag = self._enter(name)
         deadline = time.monotonic() + timeout
         works = issue()
         self.wait(works, deadline, name, tag, timeout)
-        self.store.set(self._key("done", tag, self.rank), "1")
+        self._mark("done", tag, name)
         return works
+
+    def _enter(self, name=None):
+        self._step += 1
+        tag = f"{self._step}"
+        self._mark("entered", tag, name)
+        return tag
+
+    def _mark(self, kind, tag, name=None):
+        try:
+            self.store.set(self._key(kind, tag, self.rank), "1")
+        except Exception as exc:  # noqa: BLE001 - torch raises several types for a lost store
+            raise CollectiveError(name or f"step {tag}", f"step {name!r} on rank {self.rank}: "
+                                  f"the rendezvous store is unreachable ({type(exc).__name__})",
+                                  self._store_lost()) from None
 
     def wait(self, works, deadline, name, tag=None, timeout=None):
         """Wait for async works until ``deadline``; past it raise :class:`StepTimeout`.
@@ -214,36 +309,96 @@ class Context:
         works = [w for w in (works if isinstance(works, (list, tuple)) else [works])
                  if w is not None]
         timeout = self.timeout if timeout is None else timeout
+        tag = tag or f"{self._step}"
         if time.monotonic() > deadline:
             # This rank itself took the whole step's time before its part was even issued: the
             # others have given up on it (and rank 0's store may be gone), so ask nobody.
-            raise StepTimeout(name, timeout, "unknown", [self.rank], "unknown (they gave up)")
+            raise StepTimeout(name, timeout, {"stuck": [self.rank],
+                                              "waiting": "unknown (they gave up)"})
         if self._waiter is None:
             self._waiter = _Waiter(self.device)
         job = self._waiter.submit(works)
         if not job.done.wait(max(0.0, deadline - time.monotonic())):
-            raise self._timed_out(name, tag or f"{self._step}", timeout)
+            raise self._timed_out(name, tag, timeout)
         if job.error is not None:
-            first = (str(job.error).splitlines() or [type(job.error).__name__])[0]
-            raise CollectiveError(f"step {name!r}: {first}") from job.error
+            raise self._failed(name, tag, job.error) from job.error
         return job.finished
 
     def _timed_out(self, name, tag, timeout):
-        """Sort the ranks by where they are: a rank that waits says so; the rest are stuck."""
+        """A :class:`StepTimeout` with the census (a rank that waits says so; the rest are stuck)."""
+        return StepTimeout(name, timeout, self.census(tag, "waiting"))
+
+    def _failed(self, name, tag, error):
+        """A :class:`CollectiveError` for ``error`` raised in step ``name``, with the census."""
+        first = (str(error).splitlines() or [type(error).__name__])[0] or type(error).__name__
+        # Gloo appends a paragraph of generic advice to "Connection reset by peer"; the census
+        # below says more.
+        first = first.split(" This is typically caused by")[0][:300].rstrip(". ")
+        return CollectiveError(name, f"step {name!r} failed on rank {self.rank} ({first})",
+                               self.census(tag, "failed"))
+
+    def census(self, tag=None, mark=None):
+        """Where every rank is in step ``tag`` (default: the current one), after this rank marks
+        itself ``mark`` ("waiting" or "failed") there.
+
+        Takes :data:`LIFE_WINDOW_S`: every rank's heartbeat is read, then read again, and the
+        other ranks that fail or time out in the same step get to mark themselves meanwhile.
+        """
+        tag = tag or f"{self._step}"
         try:
-            self.store.set(self._key("waiting", tag, self.rank), "1")
-            # The other waiting ranks reach their deadlines a little later (they entered later).
-            time.sleep(min(2.0, max(0.2, timeout / 4)))
+            if mark:
+                self.store.set(self._key(mark, tag, self.rank), "1")
+            before = self._beats()
+            time.sleep(LIFE_WINDOW_S)
+            after = self._beats()
             has = {kind: {r for r in range(self.world)
                           if self.store.check([self._key(kind, tag, r)])}
-                   for kind in ("entered", "waiting", "done")}
+                   for kind in ("entered", "waiting", "failed", "done")}
         except Exception:  # noqa: BLE001 - the store host (rank 0) may be gone
-            return StepTimeout(name, timeout, "unknown (the store on rank 0 is unreachable)",
-                               "unknown", [self.rank])
-        every = set(range(self.world))
-        return StepTimeout(name, timeout, sorted(every - has["entered"]),
-                           sorted(has["entered"] - has["waiting"] - has["done"]),
-                           sorted(has["waiting"]))
+            return self._store_lost()
+        alive = {r for r in range(self.world) if after[r] > before[r]} | {self.rank}
+        reported = has["waiting"] | has["failed"] | has["done"]
+        return {"died": sorted(set(range(self.world)) - alive),
+                "not_started": sorted(alive - has["entered"]),
+                "stuck": sorted((alive & has["entered"]) - reported),
+                "failed": sorted(alive & has["failed"]),
+                "waiting": sorted(alive & has["waiting"] - has["failed"])}
+
+    def _beats(self):
+        # add(key, 0) reads a counter in one round trip (and is 0 for a rank that never beat).
+        return [self.store.add(self._key("beat", r), 0) for r in range(self.world)]
+
+    def _store_lost(self):
+        """The census when the store cannot be reached: its host is gone."""
+        if self._agent_store:
+            return {"died": "unknown (torchrun's agent, which hosts the store, is unreachable)"}
+        # Rank 0 hosts the store and, on a failure, keeps it up until every live rank has its
+        # census (see linger()), so a store that went away means rank 0 died.
+        return {"died": [0] if self.rank else "unknown"}
+
+    def leave(self):
+        """Before leaving on a failure: say so, and on rank 0 keep the store up for the others.
+
+        Rank 0 hosts the store: leaving at once would make the ranks still taking their census
+        see it vanish and name rank 0 as dead. It waits (bounded) until every rank has left or
+        stopped beating.
+        """
+        try:
+            self.store.set(self._key("left", self.rank), "1")
+            if self.rank != 0 or self._agent_store:
+                return
+            deadline = time.monotonic() + self.timeout + 2 * LIFE_WINDOW_S
+            pending = set(range(1, self.world))
+            beats, beat_at = self._beats(), time.monotonic()
+            while pending and time.monotonic() < deadline:
+                pending = {r for r in pending if not self.store.check([self._key("left", r)])}
+                if time.monotonic() - beat_at > LIFE_WINDOW_S:
+                    now = self._beats()
+                    pending = {r for r in pending if now[r] > beats[r]}  # the dead never leave
+                    beats, beat_at = now, time.monotonic()
+                time.sleep(0.1)
+        except Exception:  # noqa: BLE001 - leaving anyway
+            pass
 
     def _key(self, *parts):
         return "/".join([self.prefix] + [str(p) for p in parts if p is not None])
@@ -256,6 +411,58 @@ class Context:
             if pending:
                 time.sleep(0.05)
         return pending
+
+
+class _Deadline:
+    """Run ``fn()`` in a daemon thread that the caller may abandon at a deadline."""
+
+    def __init__(self, fn, name):
+        self.result = self.error = None
+        self._done = threading.Event()
+
+        def body():
+            try:
+                self.result = fn()
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                self.error = exc
+            self._done.set()
+        threading.Thread(target=body, name=name, daemon=True).start()
+
+    def wait(self, seconds):
+        """True when ``fn`` returned or raised within ``seconds``."""
+        return self._done.wait(max(0.0, seconds))
+
+
+def _accepts_connections(addr, port, seconds=2.0):
+    """Whether something at ``addr:port`` accepts a TCP connection (it says nothing of what)."""
+    try:
+        with socket.create_connection((addr, port), timeout=seconds):
+            return True
+    except OSError:
+        return False
+
+
+class _Heartbeat:
+    """Bumps this rank's counter in the store every :data:`HEARTBEAT_S` from a daemon thread.
+
+    It has a store connection of its own: a ``get`` that blocks the main one (gloo's rendezvous
+    waits in one) holds that connection's lock, and the heartbeat must not stop with it.
+    """
+
+    def __init__(self, ctx):
+        key = ctx._key("beat", ctx.rank)
+        threading.Thread(target=self._loop, args=(ctx.addr, ctx.port, ctx.world, ctx.timeout, key),
+                         name="numguard-doctor-heartbeat", daemon=True).start()
+
+    def _loop(self, addr, port, world, timeout, key):
+        try:
+            store = dist.TCPStore(addr, port, world, False, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=timeout))
+            while True:
+                store.add(key, 1)
+                time.sleep(HEARTBEAT_S)
+        except Exception:  # noqa: BLE001 - the store's host ended or died: nobody to tell
+            return
 
 
 class _Job:

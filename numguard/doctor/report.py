@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 from .facts import TABLE_COLUMNS
 
-__all__ = ["SCHEMA", "render", "write_json", "write_plot"]
+__all__ = ["SCHEMA", "render", "unwritable", "write_json", "write_plot"]
 
 SCHEMA = "numguard.doctor/1"
 _GIB = 1024 ** 3
@@ -103,13 +104,40 @@ def render(result):
     return "\n".join(lines) + "\n"
 
 
+def unwritable(path, option):
+    """None when a file can be written at ``path`` (its folder is created), else why not.
+
+    A throw-away file in the folder is the only sure test: permissions, read-only mounts, a
+    file where a folder should be and full disks all show, root or not.
+    """
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        return (f"{option} {path!r} is a folder; give the path of a file to write, e.g. "
+                f"{os.path.join(path, 'doctor.json')!r}")
+    folder = os.path.dirname(full)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".numguard-doctor-"):
+            pass
+    except OSError as exc:
+        return (f"{option} {path!r} cannot be written ({exc.strerror or exc}"
+                f"{': ' + exc.filename if exc.filename else ''}); give a path in a folder you "
+                "can write to")
+    return None
+
+
 def write_json(result, path):
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)  # a reader never sees half a file
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)  # a reader never sees half a file
+    except OSError:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def write_plot(result, path):

@@ -14,7 +14,8 @@ import time
 import torch
 
 from . import checks, facts as _facts, findings as _findings, performance, report
-from .launcher import DoctorError, StepTimeout, gather_json, start
+from .launcher import (CENSUS, CollectiveError, DoctorError, SettingError, StepTimeout,
+                       describe_census, gather_json, start)
 
 __all__ = ["Options", "run"]
 
@@ -43,7 +44,12 @@ def _nccl_dir(options):
 def _setup_nccl_debug(ctx, options):
     # NCCL reads these when its first communicator starts, i.e. after init_process_group.
     folder = _nccl_dir(options)
-    os.makedirs(folder, exist_ok=True)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise SettingError(f"--nccl-debug: cannot create {folder!r} for the NCCL logs "
+                           f"({exc.strerror or exc}); give --json a path in a folder you can "
+                           "write to (the logs go next to it)") from None
     path = os.path.join(folder, f"rank{ctx.rank}.{ctx.host}.log")
     os.environ["NCCL_DEBUG"] = "INFO"
     os.environ["NCCL_DEBUG_FILE"] = path
@@ -88,8 +94,17 @@ def _output(ctx, result, options):
         return code
     sys.stdout.write(report.render(result))
     if options.json:
-        report.write_json(result, options.json)
-        sys.stdout.write(f"numguard doctor: JSON written to {options.json}\n")
+        try:
+            report.write_json(result, options.json)
+            sys.stdout.write(f"numguard doctor: JSON written to {options.json}\n")
+        except OSError as exc:
+            # Checked before the run, so this is new (a full disk, a folder removed): the
+            # report above is all there is; say so, and do not call the run a success.
+            sys.stdout.flush()
+            sys.stderr.write(f"numguard doctor --json: cannot write {options.json!r} "
+                             f"({exc.strerror or exc}); the report above on stdout is complete, "
+                             "the JSON file was not written\n")
+            code = max(code, 1)
     if options.plot and result["performance"]:
         try:
             report.write_plot(result, options.plot)
@@ -108,16 +123,36 @@ def _hard_exit(code):
     os._exit(code)
 
 
+def _fail(ctx, result, options, kind, step, message, census):
+    """Record the failure, print it, wait for the others (rank 0 hosts the store) and leave."""
+    result["status"] = "failed"
+    failure = {"rank": ctx.rank, "kind": kind, "step": step, "message": message}
+    failure.update({key: census.get(key, []) for key, _ in CENSUS})
+    result["failures"].append(failure)
+    result["findings"].append(_findings.failed_step(failure, result["facts"]))
+    code = _output(ctx, result, options)
+    ctx.leave()
+    _hard_exit(code)
+
+
 def run(options):
     """Run the doctor on this rank; returns the exit status (or leaves the process on a timeout)."""
     ctx = start(options.timeout)
+    # Rank 0 writes the files: find a path it cannot write before the run, not after it.
+    refusal = None
+    if ctx.rank == 0:
+        refusal = next(filter(None, (report.unwritable(path, option) for option, path in
+                                     (("--json", options.json), ("--plot", options.plot))
+                                     if path)), None)
+    if refusal and ctx.world == 1:
+        raise SettingError(refusal)
     result = {"schema": SCHEMA_ID, "status": "healthy", "world_size": ctx.world,
               "backend": None, "options": dataclasses.asdict(options), "missing_ranks": [],
               "arrived": {}, "failures": [], "facts": [], "findings": [], "checks": [],
               "performance": None, "nccl_debug": None, "nccl_logs": [], "started_unix": time.time()}
     if options.nccl_debug:
         result["nccl_debug"] = _setup_nccl_debug(ctx, options)
-    missing = ctx.connect()
+    missing = ctx.connect(refusal)
     result["arrived"] = {str(r): h for r, h in ctx.arrived.items()}
     if missing:
         result["missing_ranks"] = missing
@@ -131,27 +166,21 @@ def run(options):
             sys.stderr.write(f"numguard doctor: rank {ctx.rank}: ranks that never joined within "
                              f"{options.timeout:g} s: {missing}\n")
         return _output(ctx, result, options)
-    ctx.init_process_group()
-    result["backend"] = ctx.backend
     try:
+        ctx.init_process_group()
+        result["backend"] = ctx.backend
         _examine(ctx, result, options)
-    except StepTimeout as exc:
-        result["status"] = "failed"
-        result["failures"].append({"rank": ctx.rank, "kind": "timeout", "step": exc.step,
-                                   "message": str(exc),
-                                   "not_started": exc.not_started, "stuck": exc.stuck,
-                                   "waiting": exc.waiting})
-        result["findings"].append(_findings.failed_step(result["failures"][-1], result["facts"]))
-        _hard_exit(_output(ctx, result, options))
-    except RuntimeError as exc:  # a collective failed (a peer died, a backend error)
-        result["status"] = "failed"
-        result["failures"].append({"rank": ctx.rank, "kind": "error", "step": None,
-                                   "not_started": None,
-                                   "stuck": None, "waiting": None,
-                                   "message": "a collective failed: "
-                                   + (str(exc).splitlines() or [type(exc).__name__])[0]})
-        result["findings"].append(_findings.failed_step(result["failures"][-1], result["facts"]))
-        _hard_exit(_output(ctx, result, options))
+    except (StepTimeout, CollectiveError) as exc:
+        _fail(ctx, result, options, "timeout" if isinstance(exc, StepTimeout) else "error",
+              exc.step, str(exc), exc.census)
+    except DoctorError:
+        raise
+    except RuntimeError as exc:  # raised outside a step's wait (a backend error when issued)
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        census = ctx.census(mark="failed")
+        _fail(ctx, result, options, "error", None,
+              f"a collective failed on rank {ctx.rank} ({first}); {describe_census(census)}",
+              census)
     code = _output(ctx, result, options)
     torch.distributed.destroy_process_group()
     return code
