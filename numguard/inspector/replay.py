@@ -29,6 +29,7 @@ import torch
 from . import operations as _operations
 
 _Tensor = torch.Tensor
+_OptimizedModule = torch._dynamo.eval_frame.OptimizedModule
 
 
 def _generator(device):
@@ -51,6 +52,12 @@ class InputKeeper:
 
     def _keep(self, owner, module, args, kwargs):
         # One tuple per call: references, version counters, the generator state (no device work).
+        if _is_compiling():
+            # NOTE: [replay under torch.compile] Reading the generator state while dynamo traces
+            # breaks the graph at every watched module, and references kept from inside a graph
+            # would be tensors of the trace: modules inside compiled graphs keep nothing, and a
+            # trip in one says that replay is not available for them.
+            return None
         try:
             versions = tuple(x._version if type(x) is _Tensor else None for x in args)
             if not _grad_enabled():
@@ -79,6 +86,11 @@ class InputKeeper:
 
 
 _grad_enabled = torch.is_grad_enabled
+_is_compiling = torch.compiler.is_compiling
+COMPILED_REASON = ("replay is not available for modules of a compiled model (torch.compile): numguard "
+                   "keeps no inputs inside compiled graphs (that would break the graph at every module); "
+                   "to name the operation, run the failing batch without torch.compile under "
+                   "watch(model, ops=True) or replay=True")
 
 
 class _Weak(weakref.ref):
@@ -105,7 +117,10 @@ class ReplayRecorder(_operations.OperationRecorder):
         self.found = None   # (op, site, module owner)
         self.entered = True
 
-    def _record(self, func, args, kwargs, out):
+    def _stats_before(self, func, args, kwargs):
+        return None   # outputs are looked at directly: no input records to correct
+
+    def _record(self, func, args, kwargs, out, before=None):
         if self.found is not None:
             return
         picked = self._pick(func, args, kwargs, out)
@@ -121,9 +136,22 @@ def _later_call(frames, offender):
     return any(f.owner is owner and f.section == "forward" for f in frames[offender + 1:])
 
 
-def replay(inspector, keeper, offender) -> dict | None:
+def _compiled(module):
+    return any(isinstance(m, _OptimizedModule) for m in module.modules())
+
+
+def replay(inspector, keeper, offender, report=None) -> dict | None:
     """Re-run the module of the offending frame `offender` on its kept inputs; the report's
-    "replay" field (None when there is nothing to replay: an operation frame names it already)."""
+    "replay" field (None when there is nothing to replay: an operation frame names it already).
+    `report`: the trip's report (its module and class name the offender of a compiled model)."""
+    graph = inspector._graph
+    if graph is not None and graph.used:
+        # The offender indexes the frames merged with those of compiled graphs (NOTE: [replay
+        # under torch.compile]): not replayable, and said so at the trip.
+        inspector._warn_once(("replay", "compiled"), f"numguard: {COMPILED_REASON}")
+        report = report or {}
+        return {"module": report.get("module"), "class": report.get("class"), "reproduced": False, "op": None,
+                "site": None, "op_module": None, "op_class": None, "reason": COMPILED_REASON}
     frames = inspector._ring.frames
     frame = frames[offender]
     owner = frame.owner
@@ -132,6 +160,10 @@ def replay(inspector, keeper, offender) -> dict | None:
     result = {"module": owner.name, "class": owner.cls, "reproduced": False, "op": None, "site": None,
               "op_module": None, "op_class": None, "reason": ""}
     module = owner.ref() if owner.ref is not None else None
+    if module is not None and _compiled(module):
+        inspector._warn_once(("replay", "compiled"), f"numguard: {COMPILED_REASON}")
+        result["reason"] = COMPILED_REASON
+        return result
     if frame.section != "forward" or module is None or owner.index < 0:
         where = f"the {frame.section} pass" if frame.section != "forward" else "a frame of record_frame"
         result["reason"] = f"the first non-finite value is in {where}; replay re-runs module forwards only"
