@@ -98,3 +98,46 @@ def test_compiled_model_backward_gradients_checked_before_the_step():
             opt.step()
     assert info.value.labels == ["2.weight.grad"]  # the eager name, as the graph frames show it
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+class LogOfShift(nn.Module):
+    def forward(self, x):
+        return torch.log(x - 1000.0)
+
+
+def make_log_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), LogOfShift())
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_replay_under_compile_breaks_no_graph_and_says_it_is_not_available(backend):
+    import warnings
+
+    model = make_log_model()
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(4, 8)
+    with numguard.watch(compiled, replay=True, report_to=None) as insp:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(numguard.NonFiniteError) as info:
+                compiled(x)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert info.value.module == "2"
+    replayed = insp.last_report["replay"]
+    assert replayed["module"] == "2" and replayed["class"] == "LogOfShift"
+    assert replayed["reproduced"] is False and "not available" in replayed["reason"]
+    assert "numguard: could not replay 2 (LogOfShift): replay is not available for modules of a compiled model" \
+        in info.value.report
+    messages = [str(w.message) for w in caught if issubclass(w.category, numguard.errors.InspectorWarning)]
+    assert any("replay is not available for modules of a compiled model" in m for m in messages), messages
+    assert not any("could not add" in m for m in messages), messages   # no internal error
+
+
+def test_replay_breaks_no_graph_of_a_model_compiled_after_watch():
+    model = make_model()
+    x = torch.randn(4, 8)
+    with numguard.watch(model, replay=True, report_to=None) as insp:
+        explanation = torch._dynamo.explain(model)(x)
+        assert insp.replay is True
+    assert explanation.graph_break_count == 0, [r.reason for r in explanation.break_reasons]

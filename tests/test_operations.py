@@ -402,3 +402,97 @@ def test_the_blamed_operation_is_the_one_that_made_the_modules_nan():
     assert op["op"] == "aten::sqrt" and op["site"] == f"{THIS_FILE}:{_line('op: real sqrt')}"
     assert op["module"] == "1" and op["class"] == "DropsLogOfZero"
     assert insp.last_report["module"] == "1"
+
+
+class InPlaceLog(nn.Module):
+    """A shift then a log, both in place on the Linear's output: the log makes the NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        h.sub_(1000.0)  # op: in-place sub
+        h.log_()  # op: in-place log
+        return h
+
+
+class OutLog(nn.Module):
+    """log(x - 1000) written with out= into a buffer that holds a NaN before the op (its old values
+    are no input of the log)."""
+
+    def forward(self, x):
+        buf = torch.full_like(x, float("nan"))
+        torch.log(x - 1000.0, out=buf)  # op: out= log
+        return buf
+
+
+def test_an_in_place_operation_that_makes_the_nan_is_named_not_the_one_before_it():
+    torch.manual_seed(0)
+    insp, err = _trip(InPlaceLog(), torch.randn(2, 4))
+    op = insp.last_report["operation"]
+    assert op["op"] == "aten::log_" and op["site"] == f"{THIS_FILE}:{_line('op: in-place log')}"
+    # The log's input is recorded as it was before the log ran: finite, about -1000.
+    assert op["input_abs_max"] == pytest.approx(1000.0, rel=0.01) and op["output_abs_max"] != op["output_abs_max"]
+    assert "aten::log_" in str(err) and "aten::sub_" not in str(err)
+    frames = [f for f in insp.last_report["frames"] if f.get("op") == "aten::sub_"]
+    nan = numguard.STAT_FIELDS.index("nan")
+    assert frames and all(r[nan] == 0 for r in frames[0]["records"] if r is not None)
+
+
+def test_an_out_operation_is_named_and_its_old_values_are_no_input():
+    insp, err = _trip(OutLog(), torch.randn(2, 4))
+    op = insp.last_report["operation"]
+    assert op["op"] == "aten::log" and op["site"] == f"{THIS_FILE}:{_line('op: out= log')}"
+    assert op["input_abs_max"] == pytest.approx(1000.0, rel=0.01)
+    log_frame = next(f for f in insp.last_report["frames"] if f.get("op") == "aten::log")
+    assert log_frame["labels"] == ["input[0]", "output"]   # the out= buffer only as the output
+
+
+class ViewsBetween(nn.Module):
+    """x * big overflows float32; views (view, t, expand) stand between it and the matmul that
+    reads the Inf."""
+
+    def __init__(self, batched):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 3))
+        self.batched = batched
+
+    def forward(self, x):
+        a = x * 1e39  # op: overflowing mul
+        b = a.view(4, 2).t()
+        if self.batched:
+            return torch.bmm(b.unsqueeze(0).expand(3, 2, 4), self.weight.expand(3, 4, 3))
+        return b @ self.weight
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_lineage_follows_views_to_the_operation_that_made_the_inf(batched):
+    torch.manual_seed(0)
+    insp, err = _trip(ViewsBetween(batched), torch.randn(2, 4))
+    op = insp.last_report["operation"]
+    assert op["op"] == "aten::mul" and op["site"] == f"{THIS_FILE}:{_line('op: overflowing mul')}"
+    assert op["output_abs_max"] == float("inf")
+    assert "by operation aten::mul" in str(err)
+
+
+class WrittenThroughAView(nn.Module):
+    """A slice of the Linear's output is scaled in place past float32's range; the matmul reads
+    the whole output (the same storage, written after the Linear made it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        h[:, :2].mul_(1e39)  # op: in-place mul of a slice
+        return h @ h.t()
+
+
+def test_lineage_follows_an_in_place_write_through_a_view():
+    torch.manual_seed(0)
+    insp, _ = _trip(WrittenThroughAView(), torch.randn(2, 4))
+    op = insp.last_report["operation"]
+    assert op["op"] == "aten::mul_" and op["site"] == f"{THIS_FILE}:{_line('op: in-place mul of a slice')}"

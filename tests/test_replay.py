@@ -1,6 +1,9 @@
 """Replay on trip (watch(model, replay=True) / NUMGUARD_REPLAY=1): after a trip the first bad module
 is re-run on its last inputs in operation mode, and the report names the operation, or says that
 the replay could not be trusted or did not reproduce the NaN/Inf."""
+import inspect
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -205,3 +208,77 @@ def test_under_no_grad_inputs_are_held_weakly_and_a_freed_one_is_said():
         with torch.no_grad(), pytest.raises(numguard.NonFiniteError):
             head(x)
     assert insp.last_report["replay"]["reproduced"] is True
+
+
+class HalvesItsWeight(nn.Module):
+    """An EMA-like forward: it scales its own weight through .data, then takes a log that is NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        self.weight.data.mul_(0.5)
+        return torch.log(x * self.weight - 1000.0)
+
+
+def test_replay_puts_back_the_parameters_its_forward_changes():
+    model = nn.Sequential(nn.Identity(), HalvesItsWeight())
+    insp, _ = _trip(model, torch.randn(2, 4), replay=True)
+    assert insp.last_report["replay"]["reproduced"] is True   # the replay ran the forward again...
+    assert torch.equal(model[1].weight.detach(), torch.full((4,), 0.5))   # ...and put the weight back
+    assert model[1].weight._version == 0   # through .data: a pending backward is not broken
+
+
+class DividesByCachedScale(nn.Module):
+    """Divides by the first scale of a list argument, then replaces it in the list (a cache update):
+    the list the replay is given must be the one the call saw."""
+
+    def forward(self, x, scales):
+        out = x / scales[0]
+        scales[0] = torch.ones_like(scales[0])
+        return out
+
+
+class Caller(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, scales):
+        return self.inner(x, scales)
+
+
+def test_a_list_argument_the_forward_changes_is_replayed_as_the_call_saw_it():
+    scales = [torch.zeros(())]
+    model = Caller(DividesByCachedScale())
+    with numguard.watch(model, **quiet(replay=True)) as insp:
+        with pytest.raises(numguard.NonFiniteError) as info:
+            model(torch.randn(2, 4), scales)
+    replayed = insp.last_report["replay"]
+    assert replayed["module"] == "inner" and replayed["reproduced"] is True, replayed["reason"]
+    assert replayed["op"] == "aten::div"
+    first = inspect.getsourcelines(DividesByCachedScale.forward)[1]   # the `def` line; the div is next
+    assert replayed["site"] == f"{os.path.basename(__file__)}:{first + 1}"
+    assert "found by replay" in str(info.value)
+    assert float(scales[0]) == 1.0   # the user's list is as the forward left it
+
+
+class ResetsScaleInPlace(nn.Module):
+    def forward(self, x, state):
+        out = x / state["scale"]
+        state["scale"].fill_(1.0)   # the tensor inside the dict is changed in place after use
+        return out
+
+
+def test_a_tensor_changed_in_place_inside_a_dict_argument_is_named_not_called_unreproduced():
+    head = ResetsScaleInPlace()
+    with numguard.watch(head, **quiet(replay=True)) as insp:
+        with pytest.raises(numguard.NonFiniteError) as info:
+            head(torch.randn(2, 4), {"scale": torch.zeros(())})
+    replayed = insp.last_report["replay"]
+    assert replayed["reproduced"] is False
+    assert replayed["reason"].startswith("input[1].scale was changed in place after the call")
+    assert "did NOT reproduce" not in info.value.report
+    assert "numguard: could not replay (root module) (ResetsScaleInPlace): input[1].scale was changed in place" \
+        in info.value.report

@@ -550,7 +550,7 @@ class Inspector(ModuleHooks):
         if self._history is not None:
             report["history"] = self.history()
         if self._keeper is not None:
-            replayed = _replay.replay(self, self._keeper, offender)
+            replayed = _replay.replay(self, self._keeper, offender, report)
             if replayed is not None:
                 report["replay"] = replayed
 

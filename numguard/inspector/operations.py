@@ -23,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .. import ops as _ops
 from .. import schema
 from . import frames as _frames
 
@@ -103,9 +104,60 @@ _current_node = torch._C._current_autograd_node
 _SEEN_OUTPUTS = 8192
 
 
+def _storage_key(x):
+    """(device index, storage address) of `x`, shared by all its views; None when it has none."""
+    try:
+        ptr = x.untyped_storage().data_ptr()
+    except Exception:   # tensors without storage (subclasses, sparse): followed by identity only
+        return None
+    return (x.get_device(), ptr) if ptr else None
+
+
 def _made_at(made, x):
+    """Ring position of the record of the operation that last wrote `x`'s values this pass, or -1.
+    NOTE: [lineage through views] Views are not recorded (nothing new to look at), so `x` may be a
+    view (view, t, expand, a slice) of what an operation made, and an in-place operation on one
+    view changes every other view of the same storage: besides `x` itself, the last recorded
+    output that shares its storage (while it, or the base it is a view of, is alive, so the
+    storage cannot have been reused) counts, whichever was written later."""
     hit = made.get(id(x))
-    return hit[1] if hit is not None and hit[0]() is x else -1
+    found = hit[1] if hit is not None and hit[0]() is x else -1
+    key = _storage_key(x)
+    if key is not None:
+        hit = made.get(key)
+        if hit is not None and hit[1] > found:
+            other = hit[0]()
+            if other is not None and _storage_key(other) == key:
+                found = hit[1]
+    return found
+
+
+_written_cache = {}   # operator -> (index, name, is out=) of each argument it writes
+
+
+def _written_arguments(func):
+    hit = _written_cache.get(func)
+    if hit is None:
+        try:
+            hit = tuple((i, a.name, a.is_out) for i, a in enumerate(func._schema.arguments)
+                        if a.alias_info is not None and a.alias_info.is_write)
+        except Exception:
+            hit = ()
+        _written_cache[func] = hit
+    return hit
+
+
+def _written_tensors(func, args, kwargs):
+    """(tensors an in-place operation reads and writes, tensors an out= operation only writes)."""
+    both, only = [], []
+    for i, name, is_out in _written_arguments(func):
+        value = args[i] if i < len(args) else kwargs.get(name)
+        into = only if is_out else both
+        if isinstance(value, _Tensor):
+            into.append(value)
+        elif isinstance(value, (list, tuple)):
+            into.extend(v for v in value if isinstance(v, _Tensor))
+    return both, only
 
 
 class OpOwner(_frames.Owner):
@@ -226,21 +278,31 @@ class OperationRecorder(TorchDispatchMode):
     # -- the mode --------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        before = None
+        if not (self.off or self.paused) and _written_arguments(func):
+            self.paused += 1
+            try:
+                before = self._stats_before(func, args, kwargs)
+            except Exception as exc:  # numguard's own failure must not kill the job
+                self.inspector._ops_failed(exc)
+            finally:
+                self.paused -= 1
         out = func(*args, **kwargs)
         if self.off or self.paused or _skipped(func):
             return out
         self.paused += 1   # what recording runs is numguard's own work, never recorded
         try:
-            self._record(func, args, kwargs, out)
+            self._record(func, args, kwargs, out, before)
         except Exception as exc:  # numguard's own failure must not kill the job
             self.inspector._ops_failed(exc)
         finally:
             self.paused -= 1
         return out
 
-    def _pick(self, func, args, kwargs, out):
+    def _pick(self, func, args, kwargs, out, only_written=()):
         """(op name, tensor inputs, floating outputs, output labels) of an operation worth looking
-        at, or None: no floating output, or non-finite by intent (not a numerics bug)."""
+        at, or None: no floating output, or non-finite by intent (not a numerics bug).
+        `only_written`: ids of out= tensors, which are outputs, not inputs."""
         if type(out) is _Tensor:
             if out.dtype not in _FLOATING:
                 return None
@@ -253,7 +315,7 @@ class OperationRecorder(TorchDispatchMode):
                 return None
             out_labels = [f"output[{i}]" for i in range(len(outs))]
         flat_in, _ = tree_flatten((args, kwargs))
-        ins = [x for x in flat_in if isinstance(x, _Tensor)]
+        ins = [x for x in flat_in if isinstance(x, _Tensor) and id(x) not in only_written]
         op = func._schema.name
         intended = self.intended
         if intended:
@@ -271,8 +333,27 @@ class OperationRecorder(TorchDispatchMode):
             return None
         return op, kept, outs, out_labels
 
-    def _record(self, func, args, kwargs, out):
-        picked = self._pick(func, args, kwargs, out)
+    def _stats_before(self, func, args, kwargs):
+        """NOTE: [inputs of in-place operations] An in-place or out= operation overwrites its
+        input, and records are taken after an operation runs: the input's record would show the
+        result, and the blame would pass the operation by. The stats of the tensors it writes are
+        taken before it runs (one launch, no sync) and put in place of their input records; an
+        out= tensor's old values are no input at all and are left out.
+        Returns ({id(tensor): row}, stats, ids of out= tensors) or None."""
+        if _skipped(func):
+            return None
+        xs, only = _written_tensors(func, args, kwargs)
+        rows = {}
+        unique = []
+        for x in xs:
+            if id(x) not in rows:
+                rows[id(x)] = len(unique)
+                unique.append(x)
+        stats = _ops.multi_tensor_stats(self.inspector._ring.sanitize(unique)) if unique else None
+        return rows, stats, {id(x) for x in only}
+
+    def _record(self, func, args, kwargs, out, before=None):
+        picked = self._pick(func, args, kwargs, out, before[2] if before is not None else ())
         if picked is None:
             return
         op, ins, outs, out_labels = picked
@@ -305,10 +386,22 @@ class OperationRecorder(TorchDispatchMode):
         # NOTE: [operation frames do not trip]: every tensor recorded afresh, inputs then outputs.
         ring.record(owner, ins + outs, labels, kinds, section, False, False, insp._batches_done,
                     self._op_state(ring))
+        if before is not None:   # NOTE: [inputs of in-place operations]
+            rows, stats, _ = before
+            for i, x in enumerate(ins):
+                k = rows.get(id(x))
+                if k is not None:
+                    ring.ring[(start + i) % ring.size].copy_(stats[k])
         if len(made) > _SEEN_OUTPUTS:
             made.clear()
         for i, x in enumerate(outs, start + len(ins)):
-            made[id(x)] = (weakref.ref(x), i)
+            ref = weakref.ref(x)
+            made[id(x)] = (ref, i)
+            key = _storage_key(x)
+            if key is not None:   # NOTE: [lineage through views]
+                # A view written in place is often a temporary (h[:, :2].mul_(k)): its base lives on.
+                base = x._base
+                made[key] = (ref if base is None else weakref.ref(base), i)
 
     def _tag(self, ins, outs, module_owner, site):
         """Tag the nodes of this operation's inputs with the module and site that made them, and
