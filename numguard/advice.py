@@ -27,7 +27,13 @@ FP16_TINY = float(DTYPES["float16"].tiny)      # smallest normal
 OVERFLOW_SHARE = 0.125    # forward abs max above this share of fp16's max: keep the module wider
 OVERFLOW_SOON = 100       # batches: an overflow projected this close is a risk now
 UNDERFLOW_SHARE = 0.01    # share of float16 gradient elements that may be subnormal
+_FP16_SPAN = math.log2(FP16_MAX / FP16_TINY)
 _GROWTH_BATCHES = 8       # the growth rate is measured over the last batches of the history
+# A GradScaler keeps its scale in float32: loss scales are powers of two within its normal range.
+SCALE_EXP_MIN, SCALE_EXP_MAX = -126, 127
+_NORMAL_MIN = 2.2250738585072014e-308   # float64's smallest normal
+_LN2 = math.log(2.0)
+_LN_FLOAT_MAX = 709.0
 
 
 class AdviceError(ValueError):
@@ -88,22 +94,83 @@ def _values(series):
     return [v for v in series if _is_value(v)] if isinstance(series, list) else []
 
 
+def _log2_ratio(a, b, scale=1.0):
+    """log2(a / (b / scale)) for a, b, scale > 0, also where the quotients leave float64's range
+    (a subnormal minimum, an abs max near float64's largest): then as a sum of logarithms."""
+    q = b / scale
+    if _NORMAL_MIN <= q < math.inf:
+        r = a / q
+        if _NORMAL_MIN <= r < math.inf:
+            return math.log2(r)
+    return math.log2(a) - math.log2(b) + math.log2(scale)
+
+
 def _growth(batches, series):
-    """Per-batch growth of the last values of `series` (None when it does not grow)."""
+    """(per-batch growth, its natural log) of the last values of `series`; (None, None) when it
+    does not grow. The log is what projections use: the growth itself may pass float64's range."""
     points = [(b, v) for b, v in zip(batches, series if isinstance(series, list) else ())
               if _is_value(v) and v > 0 and _is_value(b)][-_GROWTH_BATCHES:]
     if len(points) < 2 or points[-1][0] == points[0][0]:
-        return None
+        return None, None
     (b0, v0), (b1, v1) = points[0], points[-1]
-    rate = (v1 / v0) ** (1.0 / (b1 - b0))
-    return rate if rate > 1.01 else None
+    log_rate = _log2_ratio(v1, v0) * _LN2 / (b1 - b0)
+    if log_rate <= math.log(1.01):
+        return None, None
+    return (math.exp(log_rate) if log_rate < _LN_FLOAT_MAX else math.inf), log_rate
+
+
+# The history's fields per module (numguard.inspector.history.FIELDS): one value per batch.
+_SERIES = ("out_abs_max", "in_abs_max", "min_nonzero", "grad_abs_max", "grad_min_nonzero", "grad_subnormal_share")
+
+
+def _bad(where, expected, value):
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    raise AdviceError(f"malformed history: {where}: expected {expected}, got {text}; pass the history "
+                      "numguard wrote (Inspector.history(), or a dump's \"history\" field)")
+
+
+def _is_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _check(history):
+    """Raise AdviceError naming the first field of `history` that numguard could not have written."""
     if not isinstance(history, dict) or not isinstance(history.get("modules"), list) \
             or not isinstance(history.get("batches"), list):
         raise AdviceError("no module history: advice needs the history numguard keeps while watching "
                           "(Inspector.advice(), or a dump written by this version of numguard)")
+    batches = history["batches"]
+    for i, b in enumerate(batches):
+        if not (isinstance(b, int) and not isinstance(b, bool) and b >= 0) or (i and b <= batches[i - 1]):
+            _bad(f"batches[{i}]", "whole numbers >= 0 in increasing order", b)
+    scale = history.get("loss_scale")
+    if scale is not None and not (_is_number(scale) and math.isfinite(scale) and scale > 0):
+        _bad("loss_scale", "a finite number > 0 or null", scale)
+    if not isinstance(history.get("loss_scale_source"), (str, type(None))):
+        _bad("loss_scale_source", "a string or null", history.get("loss_scale_source"))
+    for index, m in enumerate(history["modules"]):
+        where = f"modules[{index}]"
+        if not isinstance(m, dict):
+            _bad(where, "an object", m)
+        for key in ("name", "class"):
+            if not isinstance(m.get(key, ""), str):
+                _bad(f"{where}.{key}", "a string", m[key])
+        for key in ("dtype", "grad_dtype"):
+            if not isinstance(m.get(key), (str, type(None))):
+                _bad(f"{where}.{key}", "a dtype name or null", m[key])
+        for key in _SERIES:
+            series = m.get(key)
+            if series is None:
+                continue  # a field an older writer left out: no values
+            if not isinstance(series, list) or len(series) != len(batches):
+                _bad(f"{where}.{key}", f"a list of {len(batches)} values (one per batch)", series)
+            top = 1.0 if key == "grad_subnormal_share" else math.inf
+            for i, v in enumerate(series):
+                if v is not None and not (_is_number(v) and 0 <= v <= top and math.isfinite(v)):
+                    _bad(f"{where}.{key}[{i}]", "a finite number >= 0" + (" and <= 1" if top == 1.0 else "")
+                         + " or null", v)
 
 
 def advise(history: dict, loss_scale=None, loss_scale_source=None) -> Advice:
@@ -113,7 +180,10 @@ def advise(history: dict, loss_scale=None, loss_scale_source=None) -> Advice:
     if loss_scale is None:
         loss_scale = history.get("loss_scale")
         loss_scale_source = history.get("loss_scale_source")
-    if not isinstance(loss_scale, (int, float)) or not math.isfinite(loss_scale) or loss_scale <= 0:
+    elif not (_is_number(loss_scale) and math.isfinite(loss_scale) and loss_scale > 0):
+        raise AdviceError(f"advise(loss_scale={loss_scale!r}): expected a finite number > 0 (or None: the "
+                          "history's)")
+    if loss_scale is None:
         loss_scale, loss_scale_source = 1.0, "assumed"
     loss_scale_source = loss_scale_source or "assumed"
     batches = history["batches"]
@@ -128,13 +198,13 @@ def advise(history: dict, loss_scale=None, loss_scale_source=None) -> Advice:
         last = next((v for v in reversed(_values(m.get("out_abs_max")))), None)
         abs_max = max(out) if out else None
         fraction = abs_max / FP16_MAX if abs_max is not None else None
-        growth = _growth(batches, m.get("out_abs_max"))
+        growth, log_growth = _growth(batches, m.get("out_abs_max"))
         if fraction is None:
             to_overflow = None
         elif abs_max > FP16_MAX:
             to_overflow = 0.0
         elif growth is not None and last:
-            to_overflow = math.log(FP16_MAX / last) / math.log(growth)
+            to_overflow = max(0.0, _log2_ratio(FP16_MAX, last) * _LN2 / log_growth)
         else:
             to_overflow = None
         grad_dtype = m.get("grad_dtype") if isinstance(m.get("grad_dtype"), str) else None
@@ -156,10 +226,11 @@ def advise(history: dict, loss_scale=None, loss_scale_source=None) -> Advice:
                              f"overflows fp16 in ~{n} batch{'es' if n > 1 else ''}")
         elif r.fp16_fraction is not None and r.fp16_fraction >= OVERFLOW_SHARE:
             r.reasons.append(f"abs max at {r.fp16_fraction:.0%} of fp16's max")
-        if r.grad_min_nonzero is not None and r.grad_abs_max / r.grad_min_nonzero > FP16_MAX / FP16_TINY:
+        if r.grad_min_nonzero is not None and r.grad_abs_max \
+                and _log2_ratio(r.grad_abs_max, r.grad_min_nonzero) > _FP16_SPAN:
             r.reasons.append("gradients span more than fp16's range")
-        elif r.grad_min_nonzero is not None and scale_range is None \
-                and r.grad_min_nonzero / loss_scale * highest < FP16_TINY:
+        elif r.grad_min_nonzero is not None and scale_range is None and highest is not None \
+                and _log2_ratio(r.grad_min_nonzero, loss_scale, 1.0 / highest) < math.log2(FP16_TINY):
             r.reasons.append(f"gradients underflow even at loss scale {_pow2(highest)}")
         if r.underflow_share is not None and r.underflow_share >= UNDERFLOW_SHARE:
             r.notes.append(f"{r.underflow_share:.0%} of gradients subnormal at loss scale {loss_scale:g}")
@@ -184,18 +255,26 @@ def _scale_range(rows, scale):
     """(lowest, highest) power-of-two loss scale that keeps every non-zero activation gradient in
     float16's normal range (None when none does), the highest scale that does not overflow, and a
     sentence about it. Float16 gradients cannot show values below its smallest subnormal: with
-    subnormal ones, the lowest scale is a lower bound."""
+    subnormal ones, the lowest scale is a lower bound. Scales are powers of two a GradScaler can
+    hold (float32: 2^-126 .. 2^127); computed in logarithms, so any float64 history works."""
     gmax = [r.grad_abs_max for r in rows if r.grad_abs_max]
     gmin = [r.grad_min_nonzero for r in rows if r.grad_min_nonzero]
-    if not gmax or not gmin:
+    if not gmax and not gmin:
         return None, None, "no gradients in the history (watch with backward=True to get loss-scale advice)"
-    true_max, true_min = max(gmax) / scale, min(gmin) / scale
-    lo = 2.0 ** math.ceil(math.log2(FP16_TINY / true_min))
-    hi = 2.0 ** math.floor(math.log2(FP16_MAX / true_max))
-    span = math.log10(true_max / true_min)
-    if lo <= hi:
+    if not gmax or not gmin:
+        return None, None, ("the history holds gradient " + ("minimums but no maximums" if gmin else
+                                                             "maximums but no non-zero minimums")
+                            + ": no loss-scale advice")
+    top, bottom = max(gmax), min(gmin)
+    lo_e = math.ceil(_log2_ratio(FP16_TINY, bottom, scale))
+    safe = _log2_ratio(FP16_MAX, top, scale)   # log2 of the largest scale that does not overflow
+    hi_e = min(SCALE_EXP_MAX, max(SCALE_EXP_MIN, math.floor(safe)))
+    hi = 2.0 ** hi_e
+    span = _log2_ratio(top, bottom) / math.log2(10.0)
+    if max(lo_e, SCALE_EXP_MIN) <= hi_e <= safe:
+        lo = 2.0 ** max(lo_e, SCALE_EXP_MIN)
         return (lo, hi), hi, (f"loss scales {_pow2(lo)} .. {_pow2(hi)} keep every non-zero gradient in "
-                          f"fp16's normal range (gradients span {span:.1f} decades)")
+                              f"fp16's normal range (gradients span {span:.1f} decades)")
     return None, hi, (
         f"no loss scale keeps every non-zero gradient in fp16's normal range: they span {span:.1f} decades, "
         f"fp16's normal range 9.0; the largest safe scale is {_pow2(hi)}, and the modules whose gradients "

@@ -170,11 +170,130 @@ def test_no_history_is_a_clear_error():
         _advice.advise({"modules": "x", "batches": []})
 
 
-def test_hostile_values_in_a_history_are_skipped():
+MALFORMED = [
+    (("modules", 0, "out_abs_max"), ["abc"], r"modules\[0\]\.out_abs_max\[0\]: expected a finite number >= 0 or null, got 'abc'"),
+    (("modules", 0, "out_abs_max"), [True], r"modules\[0\]\.out_abs_max\[0\]: .* got True"),
+    (("modules", 0, "grad_min_nonzero"), [float("nan")], r"modules\[0\]\.grad_min_nonzero\[0\]: .* got nan"),
+    (("modules", 0, "grad_abs_max"), [-1.0], r"modules\[0\]\.grad_abs_max\[0\]: .* got -1\.0"),
+    (("modules", 0, "in_abs_max"), [float("inf")], r"modules\[0\]\.in_abs_max\[0\]: .* got inf"),
+    (("modules", 0, "grad_subnormal_share"), [1.5], r"grad_subnormal_share\[0\]: expected .* <= 1 or null"),
+    (("modules", 0, "min_nonzero"), [0.5, 0.5], r"modules\[0\]\.min_nonzero: expected a list of 1 values"),
+    (("modules", 0, "min_nonzero"), 0.5, r"modules\[0\]\.min_nonzero: expected a list"),
+    (("modules", 0, "name"), 3, r"modules\[0\]\.name: expected a string, got 3"),
+    (("modules", 0, "grad_dtype"), 16, r"modules\[0\]\.grad_dtype: expected a dtype name or null"),
+    (("modules", 0), "a", r"modules\[0\]: expected an object, got 'a'"),
+    (("batches",), [1, 0], r"batches\[1\]: expected whole numbers >= 0 in increasing order, got 0"),
+    (("batches",), ["0"], r"batches\[0\]: .* got '0'"),
+    (("loss_scale",), -2.0, r"loss_scale: expected a finite number > 0 or null, got -2\.0"),
+    (("loss_scale",), "1024", r"loss_scale: .* got '1024'"),
+]
+
+
+@pytest.mark.parametrize("path, value, message", MALFORMED, ids=[m[2][:40] for m in MALFORMED])
+def test_a_malformed_history_is_an_error_naming_the_field(path, value, message):
     h = _history_of(1.0, 1e-6)
-    h["modules"][0]["out_abs_max"] = ["abc", None, float("nan"), True]
-    result = _advice.advise(h)
-    assert result.modules[0].abs_max is None and not result.modules[0].keep
+    target = h
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    with pytest.raises(_advice.AdviceError, match=message):
+        _advice.advise(h)
+    with pytest.raises(_advice.AdviceError, match=r"advise\(loss_scale=0\)"):
+        _advice.advise(_history_of(1.0, 1e-6), loss_scale=0)
+
+
+def test_gradient_minimum_without_maximum_and_subnormal_minimum():
+    only_min = _advice.advise(_history_of(None, 1e-6))
+    assert only_min.scale_range is None and "minimums but no maximums" in only_min.scale_note
+    assert only_min.keep_wider == [] and "minimums but no maximums" in str(only_min)
+    # A float64 gradient of 1e-320 (subnormal): 325 decades below 1.0, wider than any fp16 scale.
+    subnormal = _advice.advise(_history_of(1.0, 1e-320, grad_dtype="torch.float64"))
+    assert subnormal.scale_range is None
+    assert subnormal.modules[0].reasons == ["gradients span more than fp16's range"]
+    assert "span 320.0 decades" in str(subnormal)
+    # Alone, it asks for a loss scale beyond what a (float32) GradScaler can hold: none.
+    alone = _advice.advise(_history_of(1e-320, 1e-320, grad_dtype="torch.float64"))
+    assert alone.scale_range is None and "largest safe scale is 2^127" in alone.scale_note
+    # Growth past float64's range still projects the overflow (now, from a subnormal start).
+    h = _history_of(1.0, 1e-6)
+    h["batches"] = [0, 1]
+    for key, value in h["modules"][0].items():
+        if isinstance(value, list):
+            h["modules"][0][key] = value * 2
+    h["modules"][0]["out_abs_max"] = [1e-320, 1e300]
+    grown = _advice.advise(h)
+    assert grown.modules[0].growth == math.inf and grown.modules[0].batches_to_overflow == 0.0
+    assert grown.modules[0].keep
+
+
+# Values a well-formed history may hold: float64's extremes, fp16's limits, subnormals, nothing.
+_EDGES = [None, 0.0, 5e-324, 1e-320, 2.2250738585072014e-308, 1e-300, 2.0 ** -24, 6.103515625e-05, 1e-3, 0.5,
+          1.0, 65504.0, 65520.0, 1e38, 3.4028234663852886e38, 1e300, 1.7976931348623157e308]
+_SCALES = [None, 5e-324, 1e-300, 2.0 ** -126, 0.5, 1.0, 1024.0, 2.0 ** 127, 1e300, 1.7976931348623157e308]
+
+
+def _random_history(rng):
+    n = rng.randint(0, 7)
+    batches = sorted(rng.sample(range(0, 200), n))
+    modules = []
+    for i in range(rng.randint(0, 4)):
+        m = {"name": rng.choice(["", f"m{i}", "block.0.attn"]), "class": "Linear",
+             "dtype": rng.choice([None, "torch.float16", "torch.float32"]),
+             "grad_dtype": rng.choice([None, "torch.float16", "torch.float64"])}
+        for field in _advice._SERIES:
+            if rng.random() < 0.1:
+                continue  # left out, as an older writer may
+            if field == "grad_subnormal_share":
+                m[field] = [rng.choice([None, 0.0, 5e-324, 0.01, 0.5, 1.0]) for _ in batches]
+            else:
+                m[field] = [rng.choice(_EDGES) if rng.random() < 0.7 else 10.0 ** rng.uniform(-323, 308)
+                            for _ in batches]
+        modules.append(m)
+    return {"window": 64, "batches": batches, "modules": modules, "loss_scale": rng.choice(_SCALES),
+            "loss_scale_source": rng.choice(["GradScaler", "assumed", None])}
+
+
+def test_every_well_formed_history_gets_advice():
+    """A seeded sweep over well-formed histories built from edge values: advice never raises, its
+    numbers are finite (growth may be inf: beyond float64), its loss scales are powers of two a
+    GradScaler can hold, and the table renders."""
+    import random
+    rng = random.Random(7)
+    for case in range(600):
+        h = _random_history(rng)
+        try:
+            result = _advice.advise(h)
+            text = str(result)
+        except Exception as exc:  # pragma: no cover - the failure message names the history
+            raise AssertionError(f"case {case}: {type(exc).__name__}: {exc}\n{h!r}") from exc
+        assert text.startswith("numguard precision advice")
+        assert len(result.modules) == len(h["modules"])
+        assert result.keep_wider == [r.name for r in result.modules if r.keep]
+        for r in result.modules:
+            for field in ("abs_max", "fp16_fraction", "batches_to_overflow", "grad_abs_max", "grad_min_nonzero",
+                          "min_nonzero", "underflow_share"):
+                v = getattr(r, field)
+                assert v is None or (math.isfinite(v) and v >= 0), (case, field, v)
+            assert r.growth is None or r.growth > 1.0
+        if result.scale_range is not None:
+            lo, hi = result.scale_range
+            assert 2.0 ** -126 <= lo <= hi <= 2.0 ** 127
+            assert math.log2(lo).is_integer() and math.log2(hi).is_integer()
+
+
+def test_advise_command_on_edge_and_malformed_histories(tmp_path, capsys):
+    dump = {"format": "numguard-report", "version": 1, "batch_number": 0,
+            "frames": [{"name": "", "class": "M", "labels": [], "kinds": [], "records": []}]}
+    path = tmp_path / "edge.json"
+    dump["history"] = _history_of(None, 1e-320, grad_dtype="torch.float64")
+    path.write_text(json.dumps(dump))
+    assert cli.main(["advise", str(path)]) == 0
+    assert "minimums but no maximums" in capsys.readouterr().out
+    dump["history"]["modules"][0]["grad_min_nonzero"] = ["tiny"]
+    path.write_text(json.dumps(dump))
+    assert cli.main(["advise", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "modules[0].grad_min_nonzero[0]" in err and "'tiny'" in err and "Traceback" not in err
 
 
 def test_history_folds_without_host_syncs_in_hooks():

@@ -381,6 +381,37 @@ print(getattr(trainer_module.DebugUnderflowOverflow, "__numguard_serves__", Fals
     assert off.stdout.strip() == "False"
 
 
+TRAINER_DEBUG_SCRIPT = """
+import sys, tempfile
+sys.path.insert(0, "tests")
+import torch
+from transformers import Trainer, TrainingArguments
+from integ_models import TinyNet, samples
+torch.manual_seed(0)
+args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, max_steps=4,
+                         logging_steps=1, report_to=[], use_cpu=True, seed=0, save_strategy="no",
+                         disable_tqdm=True, debug="underflow_overflow")
+Trainer(model=TinyNet(poison_at=2), args=args, train_dataset=samples()).train()
+"""
+
+
+def test_trainer_debug_option_prints_and_raises_what_transformers_does(job_env):
+    """An unmodified Trainer script with debug="underflow_overflow": under NUMGUARD=1 numguard's
+    drop-in serves the option, and the job's stdout and the exception line of its traceback are
+    byte for byte those of Transformers' own DebugUnderflowOverflow."""
+    pytest.importorskip("transformers")
+    theirs = run(["-c", TRAINER_DEBUG_SCRIPT], job_env())
+    ours = run(["-c", TRAINER_DEBUG_SCRIPT], job_env(NUMGUARD="1"))
+    assert theirs.returncode == ours.returncode == 1, ours.stderr
+    assert "Detected inf/nan during batch_number=2" in theirs.stdout and "poison Poison" in theirs.stdout
+    assert ours.stdout == theirs.stdout
+    last = theirs.stderr.strip().splitlines()[-1]
+    assert last.startswith("ValueError: DebugUnderflowOverflow: inf/nan detected, aborting")
+    assert ours.stderr.strip().splitlines()[-1] == last
+    assert "served by numguard's drop-in" in ours.stderr
+    assert "NonFiniteError" not in ours.stderr
+
+
 def test_dist_check_turns_accelerate_debug_mode_off(job_env):
     code = "import os, torch; print(os.environ.get('ACCELERATE_DEBUG_MODE'))"
     out = run(["-c", code], job_env(NUMGUARD="1", NUMGUARD_DIST_CHECK="1", ACCELERATE_DEBUG_MODE="1"))

@@ -486,22 +486,27 @@ def test_detect_overflow_inside_and_outside(backend, capsys):
         def __init__(self):
             super().__init__()
             self.lin = nn.Linear(4, 4)
+            self.seen = []
 
         def forward(self, x):
             y = self.lin(x)
-            numguard.detect_overflow(y * float("inf"), "scaled y")
+            self.seen.append(numguard.detect_overflow(y.abs() + float("inf"), "scaled y"))
             return y
 
     assert numguard.detect_overflow(torch.tensor([1.0, float("nan"), float("inf")]), "t") is True
     assert capsys.readouterr().out == "t has nans\nt has infs\n"
     assert numguard.detect_overflow(torch.ones(3), "ok") is False
+    assert numguard.detect_overflow(torch.arange(3), "ints") is False
+    with pytest.raises(TypeError, match="must be a torch.Tensor, got float"):
+        numguard.detect_overflow(1.0, "x")
     model = M()
-    with pytest.raises(numguard.NonFiniteError) as info:
-        with SyncCounter()() as counter, numguard.watch(model, report_to=None):
-            model(torch.randn(2, 4))
-    assert counter.in_hooks == 0
-    assert info.value.module == "" and info.value.labels == ["scaled y"]
-    assert "     inf scaled y" in info.value.report
+    # Inside a watched forward: checked at once, like Transformers' helper; a value thrown away
+    # after the check is no trip.
+    with SyncCounter()() as counter, numguard.watch(model, report_to=None) as insp:
+        model(torch.randn(2, 4))
+    assert counter.in_hooks == 1, counter.where  # detect_overflow's one read (Transformers' makes two); hooks none
+    assert model.seen == [True] and insp.trips == 0
+    assert capsys.readouterr().out == "scaled y has infs\n"
 
 
 def test_record_frame_backward_section(backend):

@@ -224,3 +224,77 @@ def test_drop_in_extras_are_options():
     assert "numguard: first non-finite value" in extra
 
 
+
+
+class _Scaled(torch.nn.Module):
+    """Transformers' documented recipe: detect_overflow(x, "after ...") inside a forward. Its
+    Linear's output is scaled past float32's range, checked, then passed on."""
+
+    def __init__(self, detect, seen):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.act = torch.nn.ReLU()
+        self.detect, self.seen = detect, seen
+
+    def forward(self, x):
+        y = self.lin(x) * 1e39
+        self.seen.append(self.detect(y, "after lin"))
+        return self.act(y)
+
+
+class _WithDetect(torch.nn.Module):
+    def __init__(self, detect, seen):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = _Scaled(detect, seen)
+        self.c = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x)))
+
+
+@pytest.mark.parametrize("detector", ["drop-in", "watch"])
+def test_detect_overflow_inside_a_watched_forward_is_transformers(backend, detector):
+    """detect_overflow inside the forward prints its lines and returns True at once, and the
+    report ends with the module frame that holds the Inf, byte for byte as Transformers'."""
+    from transformers.debug_utils import DebugUnderflowOverflow as HF
+    from transformers.debug_utils import detect_overflow as hf_detect
+    from inspector_helpers import run_batches
+
+    def run(detect, make_detector):
+        torch.manual_seed(0)
+        seen = []
+        model = _WithDetect(detect, seen)
+        x = torch.randn(2, 4)
+        out, err, insp = run_batches(model, make_detector, [lambda m: m(x)])
+        return out, err, seen, insp
+
+    hf_out, hf_err, hf_seen, _ = run(hf_detect, HF)
+    make = (numguard.DebugUnderflowOverflow if detector == "drop-in"
+            else lambda m: numguard.watch(m, extras=False))
+    ng_out, ng_err, ng_seen, insp = run(numguard.detect_overflow, make)
+    insp.close(check=False)
+    assert hf_out.startswith("after lin has infs\n") and "b.act ReLU" in hf_out
+    assert ng_out == hf_out
+    assert ng_seen == hf_seen == [True]
+    assert ng_err.module == "b.act"
+    if detector == "drop-in":
+        assert str(ng_err) == str(hf_err)
+
+
+def test_detect_overflow_is_a_report_line_with_extras_and_trips_nothing_by_itself(backend):
+    torch.manual_seed(0)
+    seen = []
+    model = _WithDetect(numguard.detect_overflow, seen)
+    x = torch.randn(2, 4)
+    from inspector_helpers import run_batches
+    out, err, insp = run_batches(model, lambda m: numguard.watch(m), [lambda m: m(x)])
+    insp.close(check=False)
+    assert seen == [True] and err.module == "b.act"
+    assert "                  b _Scaled\n     inf      inf after lin\n                  b.act ReLU\n" in out
+    # An Inf that the forward checks and then throws away is printed, not a trip (Transformers' rule).
+    model.b.act = torch.nn.Identity()
+    model.b.forward = lambda h: model.b.lin(h) * 0 + model.b.detect(h * float("inf"), "scratch") * 0
+    out, err, insp = run_batches(model, lambda m: numguard.watch(m), [lambda m: m(x)])
+    insp.close(check=False)
+    assert err is None and out == "scratch has infs\n"

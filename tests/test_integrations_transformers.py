@@ -92,19 +92,47 @@ def test_debug_underflow_overflow_is_served_by_numguard_alone(tmp_path, monkeypa
     assert hooks == []
 
 
-def test_serve_debug_option_leaves_the_model_to_numguard(tmp_path, monkeypatch):
-    # What NUMGUARD=1 jobs need: the Trainer's own DebugUnderflowOverflow call installs nothing.
+def _debug_option_run(tmp_path, poison_at):
+    """A Trainer with debug="underflow_overflow": (stdout, exception, trainer)."""
+    import contextlib
+    import io
+    trainer = make_trainer(tmp_path, poison_at=poison_at, steps=4, debug="underflow_overflow")
+    out, err = io.StringIO(), None
+    with contextlib.redirect_stdout(out), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            trainer.train()
+        except Exception as exc:  # noqa: BLE001 - compared below, whatever it is
+            err = exc
+    # The run's timing numbers differ from run to run; every other printed byte must not.
+    return "\n".join(line for line in out.getvalue().split("\n") if "train_runtime" not in line), err, trainer
+
+
+@pytest.mark.parametrize("poison_at", [2, None])
+def test_serve_debug_option_prints_and_raises_what_transformers_does(tmp_path, monkeypatch, poison_at):
+    # What NUMGUARD=1 jobs get: the Trainer's own DebugUnderflowOverflow call makes numguard's drop-in.
     import transformers.trainer
     monkeypatch.setattr(transformers.trainer, "DebugUnderflowOverflow", transformers.trainer.DebugUnderflowOverflow)
     monkeypatch.setattr(ng_transformers, "_told", set())
+    hf_out, hf_err, _ = _debug_option_run(tmp_path / "hf", poison_at)
     ng_transformers.serve_debug_option()
     ng_transformers.serve_debug_option()  # idempotent
-    trainer = make_trainer(tmp_path, steps=2, debug="underflow_overflow")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.train()
-        make_trainer(tmp_path, steps=1, debug="underflow_overflow").train()
-    assert sum("served by numguard" in str(w.message) for w in caught) == 1
+        make_trainer(tmp_path / "once", steps=1, debug="underflow_overflow").train()
+    assert sum("served by numguard's drop-in" in str(w.message) for w in caught) == 1
+    ng_out, ng_err, trainer = _debug_option_run(tmp_path / "ng", poison_at)
+    assert ng_out == hf_out
+    assert type(ng_err) is type(hf_err)
+    if poison_at is not None:
+        assert "Detected inf/nan during batch_number=2" in hf_out
+        assert type(ng_err) is ValueError and str(ng_err) == str(hf_err)
+        assert isinstance(ng_err.__context__, numguard.NonFiniteError) and ng_err.__suppress_context__
+        assert ng_err.__context__.module == "poison"
+    assert numguard.inspector.is_watched(trainer.model)
+    # A NumguardCallback on the same model takes over from the drop-in: one detector.
+    assert ng_transformers.remove_debug_underflow_overflow(trainer.model) > 0
+    assert not numguard.inspector.is_watched(trainer.model)
     assert all(not m._forward_hooks for m in trainer.model.modules())
 
 

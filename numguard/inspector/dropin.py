@@ -10,9 +10,9 @@ import torch
 
 from .. import ops, schema
 from .. import report as _report
-from ..errors import InspectorWarning
+from ..errors import AbortAfterBatch, InspectorWarning, NonFiniteError
 from . import core
-from .frames import EXTRA, TENSOR
+from .frames import EXTRA, TENSOR, Owner
 
 
 class DebugUnderflowOverflow(core.Inspector):
@@ -88,6 +88,33 @@ class DebugUnderflowOverflow(core.Inspector):
                 f"`abort_after_batch_num={self.abort_after_batch_num}` arg")
 
 
+
+def _plain_value_error(call, args):
+    """`call(*args)`, with numguard's trip and abort errors raised as the plain ValueError of the
+    same text that Transformers raises (the numguard error stays reachable as ``__context__``)."""
+    try:
+        return call(*args)
+    except (NonFiniteError, AbortAfterBatch) as exc:
+        raise ValueError(str(exc)) from None
+
+
+class TransformersDebugUnderflowOverflow(DebugUnderflowOverflow):
+    """The drop-in as it serves ``Trainer(debug="underflow_overflow")`` in a ``NUMGUARD=1`` job,
+    where the script never named numguard: what it prints and the exceptions it raises are
+    Transformers' own, down to their type (``ValueError``, not a subclass, as a traceback, a log
+    grep or ``type(e) is ValueError`` sees it). The NonFiniteError with numguard's report is the
+    exception's ``__context__`` (not printed)."""
+
+    def _root_hook(self, *args):
+        return _plain_value_error(super()._root_hook, args)
+
+    def _top_returned_hook(self, *args):
+        return _plain_value_error(super()._top_returned_hook, args)
+
+    def _module_hook(self, *args):
+        return _plain_value_error(super()._module_hook, args)
+
+
 def _current_module(inspector):
     frame = sys._getframe(2)
     names = inspector.module_names
@@ -100,33 +127,63 @@ def _current_module(inspector):
 
 
 def _record_detect(inspector, var, ctx, module):
+    """A watch(extras=True) report's own line for a detect_overflow call, in a frame of the module
+    whose forward called it. It does not trip the ring: the check already happened on the host
+    (Transformers' rule: detect_overflow prints, the module frames trip), and a trip on this
+    record would freeze the ring before the module frame that a report must end with."""
     name = inspector.module_names.get(module) if module is not None else None
-    owners = inspector._owners
-    owner = next((o for o in owners if o.name == name), inspector._root_owner) if name is not None \
-        else inspector._root_owner
-    inspector._ring.record(owner, [var], [str(ctx)], [TENSOR | EXTRA], "forward", False, False,
-                           inspector._batch_index())
+    if name is None:
+        name, cls = "", type(inspector.model).__name__
+    else:
+        cls = type(module).__name__
+    key = ("detect_overflow", name, cls)
+    owner = inspector._named.get(key)
+    if owner is None:  # index -1: numguard's own lines, not part of the module's history
+        owner = inspector._named[key] = Owner(-1, name, cls)
+    ring = inspector._ring
+    with torch.inference_mode(False):
+        state = torch.tensor(schema.STATE_INITIAL, dtype=torch.int64, device=ring.device)
+    ring.record(owner, [var], [str(ctx)], [TENSOR | EXTRA], "forward", False, False, inspector._batch_index(),
+                state)
+
+
+def _has_nans_and_infs(var):
+    """(any NaN, any Inf) of `var`: one stats launch and one device->host read (Transformers' helper
+    makes two), or torch's own isnan / isinf for what the kernels do not take."""
+    try:
+        stats = ops.tensor_stats(var.detach()).tolist()
+    except Exception:
+        return bool(torch.isnan(var).any().item()), bool(torch.isinf(var).any().item())
+    return stats[schema.NAN] > 0, stats[schema.POS_INF] + stats[schema.NEG_INF] > 0
 
 
 def detect_overflow(var, ctx) -> bool:
-    """Inside a watched forward: record `var` as a line labelled `ctx` of the module whose forward
-    is running (no host sync; returns False, the check happens at batch end). Outside: like
-    Transformers' helper, print "<ctx> has nans" / "<ctx> has infs" and return whether either was
-    found."""
-    if core.active and isinstance(var, torch.Tensor):
-        inspector = core.active[-1]
-        try:
-            _record_detect(inspector, var, ctx, _current_module(inspector))
-            return False
-        except Exception as exc:
-            warnings.warn(f"numguard.detect_overflow: could not record {ctx!r} ({exc}); checking it now",
-                          InspectorWarning, stacklevel=2)
-    stats = ops.tensor_stats(var).tolist()
-    detected = False
-    if stats[schema.NAN] > 0:
-        detected = True
+    """Transformers' ``detect_overflow``, inside a watched forward too: check `var` now, print
+    "<ctx> has nans" / "<ctx> has infs" for what it holds and return whether it holds either.
+    Like Transformers' helper it waits for the device (it is the check you asked for at that
+    spot); the module hooks stay free of host syncs. Inside a ``watch(extras=True)`` forward the
+    value is also a line of the report, in a frame of the module that called it; it trips
+    nothing by itself (the module frames do, as in Transformers)."""
+    if not isinstance(var, torch.Tensor):
+        raise TypeError(f"numguard.detect_overflow({ctx!r}): var must be a torch.Tensor, got "
+                        f"{type(var).__name__}")
+    inspector = core.active[-1] if core.active else None
+    recorder = getattr(inspector, "_ops", None)
+    if recorder is not None:
+        recorder.paused += 1  # numguard's own check is not an operation of the model
+    try:
+        nans, infs = _has_nans_and_infs(var)
+        if inspector is not None and inspector.options.extras and not inspector._closed:
+            try:
+                _record_detect(inspector, var, ctx, _current_module(inspector))
+            except Exception as exc:  # the check above stands; only the report line is lost
+                warnings.warn(f"numguard.detect_overflow: could not add {ctx!r} to the report ({exc})",
+                              InspectorWarning, stacklevel=2)
+    finally:
+        if recorder is not None:
+            recorder.paused -= 1
+    if nans:
         print(f"{ctx} has nans")
-    if stats[schema.POS_INF] + stats[schema.NEG_INF] > 0:
-        detected = True
+    if infs:
         print(f"{ctx} has infs")
-    return detected
+    return nans or infs

@@ -12,6 +12,8 @@ they reach TensorBoard, W&B and the console like any metric. ``on_train_end`` cl
 
 ``TrainingArguments(debug="underflow_overflow")`` with this callback: numguard's detector replaces
 Transformers' ``DebugUnderflowOverflow`` (its hooks are removed; one message says so), never both.
+Without the callback, in a ``NUMGUARD=1`` job (``serve_debug_option``), the option gets numguard's
+drop-in ``DebugUnderflowOverflow``: Transformers' report lines and ``ValueError`` byte for byte.
 
 Evaluation and prediction under the Trainer run with gradients off; numguard checks those batches
 on their own rank, outside the cross-rank exchange of training steps.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import weakref
 
 from . import _common
 
@@ -40,12 +43,17 @@ def _trainer_callback_base():
 
 def remove_debug_underflow_overflow(model) -> int:
     """Remove the hooks of Transformers' ``DebugUnderflowOverflow`` from `model` (what
-    ``debug="underflow_overflow"`` installs). Returns how many hooks were removed."""
+    ``debug="underflow_overflow"`` installs), and close the drop-in that serve_debug_option() put
+    there instead. Returns how many hooks were removed."""
+    removed = 0
+    served = _served.pop(model, None)
+    if served is not None:
+        removed += len(served._handles)
+        served.close(check=False)
     debug_utils = sys.modules.get("transformers.debug_utils")
     hf_class = getattr(debug_utils, "DebugUnderflowOverflow", None)
     if hf_class is None:
-        return 0
-    removed = 0
+        return removed
     for module in model.modules():
         for hook_id, hook in list(module._forward_hooks.items()):
             if isinstance(getattr(hook, "__self__", None), hf_class):
@@ -57,6 +65,7 @@ def remove_debug_underflow_overflow(model) -> int:
 
 
 _told = set()
+_served = weakref.WeakKeyDictionary()  # model -> the drop-in serve_debug_option() put on it
 
 
 def _say_debug_replaced(removed=None):
@@ -68,11 +77,41 @@ def _say_debug_replaced(removed=None):
                  f"Transformers' DebugUnderflowOverflow{what}; reports keep Transformers' format")
 
 
+def _say_debug_served():
+    if "served" in _told:
+        return
+    _told.add("served")
+    _common.warn('numguard: Trainer debug="underflow_overflow" is served by numguard\'s drop-in '
+                 "DebugUnderflowOverflow (NUMGUARD=1): the same report lines and ValueError texts as "
+                 "Transformers', recorded on the device without its per-tensor host syncs")
+
+
+def _serve(model, args, kwargs):
+    """What the Trainer's ``DebugUnderflowOverflow(model)`` call makes under serve_debug_option():
+    numguard's drop-in, with Transformers' output and exceptions byte for byte, alone on `model`
+    (the start-up watcher leaves it). NUMGUARD_* variables fill in what the call leaves out."""
+    from .. import env
+    from ..inspector.dropin import TransformersDebugUnderflowOverflow
+
+    previous = _served.pop(model, None)
+    if previous is not None:  # train() again: one detector, as Transformers' hooks would not be twice
+        previous.close(check=False)
+    _common.take_over_from_start_up(model)
+    options = env.settings_from_env()
+    names = ("max_frames_to_save", "trace_batch_nums", "abort_after_batch_num")
+    for name, value in zip(names, args):
+        options[name] = value
+    options.update(kwargs)
+    served = _served[model] = TransformersDebugUnderflowOverflow(model, **options)
+    _say_debug_served()
+    return served
+
+
 def serve_debug_option() -> None:
-    """Make ``debug="underflow_overflow"`` leave the model to numguard: the Trainer's
-    ``DebugUnderflowOverflow(model)`` call installs nothing and says so once. For ``NUMGUARD=1``
-    jobs, whose root modules numguard already watches; call it once transformers.trainer is
-    imported. Idempotent."""
+    """Make ``debug="underflow_overflow"`` run numguard's drop-in ``DebugUnderflowOverflow``: the
+    Trainer's ``DebugUnderflowOverflow(model)`` call gets numguard's detector, which prints the
+    same lines and raises the same ``ValueError`` as Transformers' (said once, on stderr). For
+    ``NUMGUARD=1`` jobs; call it once transformers.trainer is imported. Idempotent."""
     import transformers.trainer as trainer_module
 
     current = trainer_module.DebugUnderflowOverflow
@@ -80,8 +119,7 @@ def serve_debug_option() -> None:
         return
 
     def numguard_serves(model, *args, **kwargs):
-        _say_debug_replaced()
-        return None
+        return _serve(model, args, kwargs)
 
     numguard_serves.__numguard_serves__ = True
     numguard_serves.__wrapped__ = current
