@@ -1,6 +1,7 @@
 """Attacks on the inspector's one promise, "if there is a NaN, I tell you": odd call patterns, odd
 output structures, odd tensor kinds and odd settings. Each case is generated over its variations;
 every one must end in a report (NonFiniteError / NonFiniteWarning), never in silence or a crash."""
+import sys
 import threading
 import warnings
 
@@ -274,20 +275,34 @@ def test_module_that_returned_meta_once_is_still_watched():
 
 
 # --- two inspectors on one model ----------------------------------------------------------------
-@pytest.mark.parametrize("second_on_trip", ["raise", "warn"])
-def test_two_inspectors_never_report_a_stale_trip(second_on_trip):
+def test_a_second_watch_of_one_model_is_a_clear_error_naming_the_first():
     model = MLP()
     first = numguard.watch(model, **quiet())
-    second = numguard.watch(model, **quiet(on_trip=second_on_trip))
-    model(torch.ones(2, 8))
-    with pytest.raises(numguard.NonFiniteError):
+    made_at = f"{__file__}:{sys._getframe().f_lineno - 1}"
+    hooks = all_hooks(model)
+    with pytest.raises(ValueError, match="already watched by an open Inspector") as info:
+        numguard.watch(model, **quiet(on_trip="warn"))
+    assert made_at in str(info.value) and "close" in str(info.value)
+    assert all_hooks(model) == hooks  # the failed watch() left nothing behind
+    with pytest.raises(numguard.NonFiniteError):  # the first one still reports
         model(torch.full((2, 8), NAN))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", NonFiniteWarning)
-        for _ in range(3):
-            model(torch.ones(2, 8))  # healthy: neither inspector may report anything now
-    second.close()
     first.close()
+    with numguard.watch(model, **quiet()):  # once closed, watching again works and reports
+        model(torch.ones(2, 8))
+        with pytest.raises(numguard.NonFiniteError) as trip:
+            model(torch.full((2, 8), NAN))
+    assert trip.value.batch_number == 1
+
+
+def test_watching_a_part_of_a_watched_model_still_works():
+    model = MLP()
+    with numguard.watch(model, **quiet()), numguard.watch(model.b, **quiet()) as inner:
+        with pytest.raises(numguard.NonFiniteError) as info:
+            model(torch.full((2, 8), NAN))
+        assert info.value.module in ("a", "")
+        with pytest.raises(numguard.NonFiniteError):
+            model.b(torch.full((2, 8), NAN))
+    assert inner.trips >= 1
 
 
 # --- on_trip="dump" where the dump cannot be written --------------------------------------------
