@@ -131,18 +131,24 @@ class FrameRecorder {
   // Records one frame (see FrameRing.record) and appends its Frame to the frames list. `state`
   // (a tensor or None): the recording state to update instead of the ring's own; such a frame
   // neither reuses records nor is reused (every tensor of it is recorded, and recorded again by
-  // the frames that follow, so their own state sees it).
+  // the frames that follow, so their own state sees it). `fresh`: reuse no earlier record (NOTE:
+  // [fresh frames]).
   void record_frame(const py::handle& owner, const py::list& xs, const py::object& labels, const py::object& kinds,
                     const py::object& section, bool hf, bool weights, int64_t batch,
-                    const py::object& state = py::none()) {
+                    const py::object& state = py::none(), bool fresh = false) {
     if (!state.is_none()) {
       if (!THPVariable_Check(state.ptr())) throw py::type_error("numguard: state must be a tensor or None");
       state_override_ = THPVariable_Unpack(state.ptr());
     }
     struct Restore {
-      at::Tensor& t;
-      ~Restore() { t.reset(); }
-    } restore{state_override_};
+      FrameRecorder& r;
+      ~Restore() {
+        r.state_override_.reset();
+        r.labels_ = r.kinds_ = py::handle();
+      }
+    } restore{*this};
+    labels_ = labels;  // for sanitize's warnings, for the duration of this call
+    kinds_ = kinds;
     // Interned once and never released (no destructor running after the interpreter is gone).
     static const py::handle kFlag = PyUnicode_InternFromString("flag");
     static const py::handle kFlagBatch = PyUnicode_InternFromString("flag_batch");
@@ -162,7 +168,7 @@ class FrameRecorder {
     const double headroom = owner.attr(kHeadroom).cast<double>();
     const int64_t start = pos;
     Recorded got = record_tensors(xs, flag, start, headroom, window_lo, PyList_GET_SIZE(frames_.ptr()) > 0, owner,
-                                  !state_override_.defined());
+                                  !state_override_.defined(), fresh);
     const int64_t n = got.n;
     const int64_t lo = got.lo;
     pos = start + n;
@@ -216,13 +222,15 @@ class FrameRecorder {
     static const py::handle kDepth = PyUnicode_InternFromString("_depth");
     static const py::handle kBatchesDone = PyUnicode_InternFromString("_batches_done");
     static const py::handle kOff = PyUnicode_InternFromString("off");
+    static const py::handle kIsTop = PyUnicode_InternFromString("is_top");
     if (is_true(owner, kOff) || is_true(inspector, kClosed) || !is_true(inspector, kBatchOpen)) return false;
     if (inspector.attr(kDepth).cast<int64_t>() <= 0) return false;  // a call outside the root's forward
     const int64_t batch = inspector.attr(kBatchesDone).cast<int64_t>();
     py::list xs(2);
     PyList_SET_ITEM(xs.ptr(), 0, py::reinterpret_borrow<py::object>(input).release().ptr());
     PyList_SET_ITEM(xs.ptr(), 1, py::reinterpret_borrow<py::object>(output).release().ptr());
-    record_frame(owner, xs, fast_labels_, fast_kinds_, fast_section_, true, true, batch);
+    record_frame(owner, xs, fast_labels_, fast_kinds_, fast_section_, true, true, batch, py::none(),
+                 is_true(owner, kIsTop));
     return true;
   }
 
@@ -278,8 +286,13 @@ class FrameRecorder {
     return py::make_tuple(got.dtypes, got.shapes, got.positions, got.n, got.lo);
   }
 
+  // NOTE: [fresh frames] A write through `.data` (or into `.data` under no_grad) changes a tensor's
+  // values without moving its version counter, so a record reused for it can be stale. The frames
+  // that end a check (the root's, a top module's) are therefore recorded afresh: whatever reaches
+  // the output is read at least once after its last write. Their records are still reusable.
   Recorded record_tensors(const py::list& xs, const py::object& flag, int64_t pos, double headroom,
-                          int64_t window_lo, bool has_frames, const py::handle& owner, bool reuse) {
+                          int64_t window_lo, bool has_frames, const py::handle& owner, bool reuse,
+                          bool afresh = false) {
     const size_t count = xs.size();
     // Small vectors: a frame has a handful of tensors, and this runs once per module call.
     c10::SmallVector<const at::Tensor*, 8> tensors(count);
@@ -299,7 +312,7 @@ class FrameRecorder {
       tensors[i] = &x;
       c10::TensorImpl* impl = x.unsafeGetTensorImpl();
       int64_t at = -1;
-      if (reuse && !impl->is_inference()) {
+      if (reuse && !afresh && !impl->is_inference()) {
         auto hit = seen_.find(impl);
         if (hit != seen_.end() && !hit->second.ref.expired() &&
             hit->second.version == static_cast<int64_t>(impl->version_counter().current_version())) {
@@ -324,7 +337,7 @@ class FrameRecorder {
     py::tuple dtypes, shapes;
     describe(owner, tensors, &dtypes, &shapes);
     if (!clean) routed = false;
-    std::vector<at::Tensor> batch = clean ? fresh : sanitized(xs, fresh_index);
+    std::vector<at::Tensor> batch = clean ? fresh : sanitized(xs, fresh_index, owner);
     if (!flag.is_none()) {
       slots.push_back(0);  // the weight table's flag lives on the main device
       if (!THPVariable_Check(flag.ptr())) throw py::type_error("numguard: flag must be a tensor or None");
@@ -345,14 +358,16 @@ class FrameRecorder {
         if (routed || !clean || !any_needs_values(fresh)) throw;
         // What only the op can reject (e.g. meta tensors on the ring's device) is recorded through
         // sanitize instead of losing the frame.
-        std::vector<at::Tensor> again = sanitized(xs, fresh_index);
+        std::vector<at::Tensor> again = sanitized(xs, fresh_index, owner);
         std::copy(again.begin(), again.end(), batch.begin());
         launch(batch, pos, headroom);
       }
       if (static_cast<int64_t>(seen_.size()) > seen_limit_) seen_.clear();
       for (size_t j = 0; reuse && j < fresh.size(); ++j) {
         c10::TensorImpl* impl = fresh[j].unsafeGetTensorImpl();
-        if (impl->is_inference()) continue;  // no version counter: never reused
+        // No version counter (inference), or recorded through a copy of its parts (a Python
+        // subclass, whose parts change without moving its own counter): never reused.
+        if (impl->is_inference() || impl->key_set().has(c10::DispatchKey::Python)) continue;
         seen_.insert_or_assign(impl, SeenTensor{c10::weak_intrusive_ptr<c10::TensorImpl>(fresh[j].getIntrusivePtr()),
                                                 static_cast<int64_t>(impl->version_counter().current_version()),
                                                 pos + static_cast<int64_t>(j)});
@@ -485,10 +500,17 @@ class FrameRecorder {
     return false;
   }
 
-  std::vector<at::Tensor> sanitized(const py::list& xs, c10::ArrayRef<size_t> index) {
+  // The Python side's sanitize of xs[index]; `where` (owner, labels, kinds, index) lets it name a
+  // tensor it cannot read.
+  std::vector<at::Tensor> sanitized(const py::list& xs, c10::ArrayRef<size_t> index, const py::handle& owner) {
     py::list originals(index.size());
-    for (size_t j = 0; j < index.size(); ++j) originals[j] = xs[index[j]];
-    py::object out = sanitize_(originals);
+    py::tuple at(index.size());
+    for (size_t j = 0; j < index.size(); ++j) {
+      originals[j] = xs[index[j]];
+      at[j] = py::int_(index[j]);
+    }
+    auto or_none = [](const py::handle& h) { return h.ptr() ? py::reinterpret_borrow<py::object>(h) : py::none(); };
+    py::object out = sanitize_(originals, py::make_tuple(or_none(owner), or_none(labels_), or_none(kinds_), at));
     std::vector<at::Tensor> tensors;
     tensors.reserve(index.size() + 1);
     for (py::handle t : out) tensors.push_back(THPVariable_Unpack(t.ptr()));
@@ -501,6 +523,7 @@ class FrameRecorder {
   at::Tensor ring_;
   at::Tensor state_;
   at::Tensor state_override_;  // for the duration of one record_frame call
+  py::handle labels_, kinds_;  // likewise (borrowed)
   c10::Device device_{at::kCPU};
   int64_t size_ = 0;
   py::object fast_labels_ = py::none();
@@ -537,7 +560,7 @@ void bind_frame_recorder(py::module& module) {
       .def_readwrite("pending_start", &FrameRecorder::pending_start)
       .def("record_frame", &FrameRecorder::record_frame, py::arg("owner"), py::arg("xs"), py::arg("labels"),
            py::arg("kinds"), py::arg("section"), py::arg("hf"), py::arg("weights"), py::arg("batch"),
-           py::arg("state") = py::none())
+           py::arg("state") = py::none(), py::arg("fresh") = false)
       .def("module_call", &FrameRecorder::module_call, py::arg("owner"), py::arg("inspector"), py::arg("args"),
            py::arg("kwargs"), py::arg("output"))
       .def("set_fast_path", &FrameRecorder::set_fast_path, py::arg("labels"), py::arg("kinds"), py::arg("section"))

@@ -1,6 +1,7 @@
 """Attacks on the inspector's one promise, "if there is a NaN, I tell you": odd call patterns, odd
 output structures, odd tensor kinds and odd settings. Each case is generated over its variations;
 every one must end in a report (NonFiniteError / NonFiniteWarning), never in silence or a crash."""
+import sys
 import threading
 import warnings
 
@@ -11,7 +12,7 @@ from torch import nn
 import numguard
 from numguard.errors import InspectorWarning, NonFiniteWarning
 
-from inspector_helpers import MLP, all_hooks, quiet
+from inspector_helpers import MLP, SyncCounter, all_hooks, quiet
 
 NAN = float("nan")
 
@@ -274,20 +275,34 @@ def test_module_that_returned_meta_once_is_still_watched():
 
 
 # --- two inspectors on one model ----------------------------------------------------------------
-@pytest.mark.parametrize("second_on_trip", ["raise", "warn"])
-def test_two_inspectors_never_report_a_stale_trip(second_on_trip):
+def test_a_second_watch_of_one_model_is_a_clear_error_naming_the_first():
     model = MLP()
     first = numguard.watch(model, **quiet())
-    second = numguard.watch(model, **quiet(on_trip=second_on_trip))
-    model(torch.ones(2, 8))
-    with pytest.raises(numguard.NonFiniteError):
+    made_at = f"{__file__}:{sys._getframe().f_lineno - 1}"
+    hooks = all_hooks(model)
+    with pytest.raises(ValueError, match="already watched by an open Inspector") as info:
+        numguard.watch(model, **quiet(on_trip="warn"))
+    assert made_at in str(info.value) and "close" in str(info.value)
+    assert all_hooks(model) == hooks  # the failed watch() left nothing behind
+    with pytest.raises(numguard.NonFiniteError):  # the first one still reports
         model(torch.full((2, 8), NAN))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", NonFiniteWarning)
-        for _ in range(3):
-            model(torch.ones(2, 8))  # healthy: neither inspector may report anything now
-    second.close()
     first.close()
+    with numguard.watch(model, **quiet()):  # once closed, watching again works and reports
+        model(torch.ones(2, 8))
+        with pytest.raises(numguard.NonFiniteError) as trip:
+            model(torch.full((2, 8), NAN))
+    assert trip.value.batch_number == 1
+
+
+def test_watching_a_part_of_a_watched_model_still_works():
+    model = MLP()
+    with numguard.watch(model, **quiet()), numguard.watch(model.b, **quiet()) as inner:
+        with pytest.raises(numguard.NonFiniteError) as info:
+            model(torch.full((2, 8), NAN))
+        assert info.value.module in ("a", "")
+        with pytest.raises(numguard.NonFiniteError):
+            model.b(torch.full((2, 8), NAN))
+    assert inner.trips >= 1
 
 
 # --- on_trip="dump" where the dump cannot be written --------------------------------------------
@@ -343,10 +358,10 @@ def test_a_failing_watch_leaves_the_other_inspectors_modules_watched(monkeypatch
 
     monkeypatch.setattr(core.Inspector, "_install_hooks", broken)
     with pytest.raises(RuntimeError, match="could not be installed"):
-        numguard.watch(model, **quiet())
-    assert is_watched(model)
+        numguard.watch(model.a, **quiet())  # a part of the watched model (one model twice: an error)
+    assert is_watched(model) and is_watched(model.a)
     first.close()
-    assert not is_watched(model)
+    assert not is_watched(model) and not is_watched(model.a)
 
 
 # --- several threads -----------------------------------------------------------------------------
@@ -460,3 +475,51 @@ def test_sync_backward_watch_gives_no_such_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error", InspectorWarning)
         numguard.watch(model, **quiet(backward=True)).close(check=False)
+
+
+# --- a NaN written through .data after the tensor was recorded ------------------------------------
+class WritesThroughData(nn.Module):
+    """Writes a NaN into a tensor a watched module already returned (and numguard recorded), in a
+    way that does not move its version counter, then lets it reach the output unchanged."""
+
+    def __init__(self, how, then_identity):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.keep = nn.Identity()
+        self.how = how
+        self.then_identity = then_identity
+        self.bad = False
+
+    def forward(self, x):
+        y = self.keep(self.a(x))  # recorded twice: a's output, then keep's reused input/output
+        if self.bad:
+            if self.how == "data":
+                y.data[0, 0] = NAN
+            else:
+                with torch.no_grad():
+                    y.data.copy_(torch.full_like(y, NAN))
+        return self.keep(y) if self.then_identity else y
+
+
+@pytest.mark.parametrize("then_identity", [False, True], ids=["returned", "through_identity"])
+@pytest.mark.parametrize("how", ["data", "no_grad_copy"])
+def test_a_nan_written_through_data_that_reaches_the_output_is_reported(backend, how, then_identity):
+    model = WritesThroughData(how, then_identity)
+    with numguard.watch(model, **quiet()):
+        model(torch.ones(2, 4))
+        model.bad = True
+        with pytest.raises(numguard.NonFiniteError) as info:
+            model(torch.ones(2, 4))
+    assert info.value.batch_number == 1
+    assert "nan" in info.value.report
+
+
+def test_recording_what_reaches_the_output_afresh_needs_no_host_sync(backend):
+    model = WritesThroughData("data", then_identity=True)
+    insp = numguard.watch(model, **quiet(check="async"))
+    model(torch.ones(2, 4))
+    with SyncCounter()() as counter:
+        for _ in range(3):
+            model(torch.ones(2, 4))
+    insp.close()
+    assert counter.numguard == 0, counter.where

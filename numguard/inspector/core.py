@@ -35,6 +35,37 @@ from .weights import WeightTable
 
 
 _watched = weakref.WeakKeyDictionary()  # module -> open inspectors whose hooks are on it
+_roots = weakref.WeakKeyDictionary()    # root module -> the open Inspector watching it as its root
+
+
+def _caller_site():
+    """file:line of the first caller outside numguard (where watch() was called)."""
+    package = __name__.split(".")[0]
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == package:
+        frame = frame.f_back
+    return "an unknown place" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def _take_root(model, inspector):
+    """Make `inspector` the one open Inspector whose root is `model`. One started by NUMGUARD=1
+    gives way to the script's own; any other is an error: the second of two inspectors on one model
+    would never report (the first one's batch-end check raises before the second one's runs)."""
+    first = _roots.get(model)
+    if first is not None and not first._closed:
+        startup = sys.modules.get("numguard._startup")
+        watcher = startup.auto_watcher() if startup is not None else None
+        started = [] if watcher is None else [insp for _, insp in watcher.inspectors]
+        if any(insp is first for insp in started):
+            watcher.inspectors[:] = [(ref, insp) for ref, insp in watcher.inspectors if insp is not first]
+            first.close()
+        else:
+            raise ValueError(
+                f"numguard.watch: this {type(model).__name__} is already watched by an open Inspector (made "
+                f"at {first._created_at}); a second Inspector on the same model would never report a NaN/Inf. "
+                "Close the first one before watching again (its .close(), or watch inside "
+                "`with numguard.watch(model):` so it closes itself), or keep using it.")
+    _roots[model] = inspector
 
 
 def is_watched(module: torch.nn.Module) -> bool:
@@ -129,9 +160,10 @@ class Inspector(ModuleHooks):
         self._history = None              # per-module device history for advice() (numguard.inspector.history)
         self._keeper = None               # replay=True: each module's last inputs (numguard.inspector.replay)
         self._registered = []             # weak refs of the modules counted in _watched
+        self._created_at = _caller_site()
         self._ring = FrameRing(max(64, 8 * opts.max_frames_to_save), _model_device(model),
-                               on_drop=self._frames_dropped)
-        self._weights = WeightTable(self._owners, opts.headroom)
+                               on_drop=self._frames_dropped, on_unchecked=self._unchecked_tensor)
+        self._weights = WeightTable(self._owners, opts.headroom, on_unchecked=self._unchecked_tensor)
         self._reader = FlagReader(self._ring, opts.check, self._warned)
         self._reader.skipped_steps = lambda: getattr(self._backward_watch, "scaler_skipped_steps", 0)
         self._reporter = Reporter(self._ring, self._weights, opts, self._warned, self._reader)
@@ -147,6 +179,7 @@ class Inspector(ModuleHooks):
                 self._ops = OperationRecorder(self)
                 self._ops.tag_nodes = opts.backward   # name backward operations by forward module
                 self._reporter.lineage = self._ops.lineage
+            _take_root(model, self)
             self._install_hooks(model)
             for module in self._module_names.keys():
                 _watched[module] = _watched.get(module, 0) + 1
@@ -289,6 +322,9 @@ class Inspector(ModuleHooks):
                 else:
                     _watched.pop(module, None)
             self._registered.clear()
+            model = self._model_ref()
+            if model is not None and _roots.get(model) is self:
+                del _roots[model]
             if self._backward_watch is not None:
                 try:
                     self._backward_watch.close()
@@ -398,6 +434,19 @@ class Inspector(ModuleHooks):
                 "NaN/Inf gradient of a step that is not checked synchronously reaches the optimizer, and "
                 "is reported at the next check (the weights may already hold it). Use check='sync', "
                 "check_every=1 to raise before any weight is written.", InspectorWarning, stacklevel=4)
+
+    def _unchecked_tensor(self, owner, label, tensor):
+        """A tensor whose values numguard cannot read (NOTE: [tensor subclasses]): say so once per
+        module and label, at the first frame that has one."""
+        name = "(unknown module)" if owner is None else (owner.name or "(root module)")
+        cls = "" if owner is None else f" ({owner.cls})"
+        label = label or "a tensor"
+        kind = type(tensor).__name__
+        self._warn_once(("unchecked", name, label, kind),
+                        f"numguard: {label} of module {name!r}{cls} is a tensor subclass ({kind}) without "
+                        "__tensor_flatten__ and without storage of its own: numguard cannot read its values, "
+                        "so it is NOT checked for NaN/Inf (its report line shows no values). Give the subclass "
+                        "__tensor_flatten__ (as torch.compile needs anyway) to have its inner tensors checked.")
 
     def _warn_once(self, key, message):
         if key not in self._warned:

@@ -81,6 +81,100 @@ def local_shard(tensor):
     return tensor
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_PYTHON_KEY = torch._C.DispatchKey.Python
+
+
+def _has_own_storage(tensor):
+    """Whether `tensor` holds its data itself (a wrapper subclass has no storage: its data lives
+    in inner tensors, and reading it as a plain tensor would read no memory at all)."""
+    try:
+        with torch._C.DisableTorchFunctionSubclass():
+            return tensor.numel() == 0 or tensor.untyped_storage().data_ptr() != 0
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def _joined(parts):
+    """The elements of several plain tensors as one flat tensor (their common dtype, the first's
+    device): one record whose counts and extremes cover every part."""
+    if len(parts) == 1:
+        return parts[0]
+    dtypes = {p.dtype for p in parts}
+    dtype = parts[0].dtype
+    if len(dtypes) > 1:
+        try:
+            for p in parts[1:]:
+                dtype = torch.promote_types(dtype, p.dtype)
+        except RuntimeError:  # float8 takes part in no promotion; float64 holds every value exactly
+            dtype = torch.float64
+    if dtype.is_complex:  # complex parts are recorded through their real and imaginary values
+        dtype = torch.float64
+    device = parts[0].device
+    flat = []
+    for p in parts:
+        p = p.detach()
+        if p.is_complex():
+            p = torch.view_as_real(p)
+        flat.append(p.reshape(-1).to(device=device, dtype=dtype))
+    return torch.cat(flat)
+
+
+def plain_values(tensor):
+    """What numguard records of `tensor`: a plain torch.Tensor holding its values, or None when
+    they cannot be reached (NOTE: [tensor subclasses]).
+
+    A plain tensor: itself. A DTensor: its local shard. A subclass with storage of its own
+    (``class T(torch.Tensor)``, with or without ``__torch_dispatch__``): the same memory seen as a
+    plain tensor (no copy, none of the subclass's overrides run). A wrapper subclass (TwoTensor,
+    torchao's float8 and NF4 tensors: no storage, the data in inner tensors): the elements of its
+    inner tensors (``__tensor_flatten__``, followed down), all in one flat tensor, so a NaN/Inf in
+    any part is seen. A wrapper without ``__tensor_flatten__``: None."""
+    if type(tensor) in _PLAIN_TYPES:
+        return tensor
+    tensor = local_shard(tensor)
+    if type(tensor) in _PLAIN_TYPES:
+        return tensor
+    if not torch._C._dispatch_keys(tensor).has(_PYTHON_KEY):
+        with torch._C.DisableTorchFunctionSubclass():
+            return tensor.as_subclass(torch.Tensor)
+    flatten = getattr(type(tensor), "__tensor_flatten__", None)
+    if flatten is not None:
+        try:
+            names, _ = flatten(tensor)
+            inner = [getattr(tensor, name) for name in names]
+        except Exception:  # noqa: BLE001 - a subclass's own failure: its values are unreachable
+            return None
+        parts = []
+        for part in inner:
+            if not isinstance(part, torch.Tensor):
+                continue
+            part = plain_values(part)
+            if part is None:
+                return None
+            parts.append(part)
+        if not parts:
+            return None
+        return _joined(parts)
+    if _has_own_storage(tensor):
+        with torch._C._DisableTorchDispatch():
+            return torch.Tensor._make_subclass(torch.Tensor, tensor)
+    return None
+
+
+def tensor_label(labels, kinds, n):
+    """The label of the `n`-th tensor line of a frame (None when there is none)."""
+    if labels is None or kinds is None:
+        return None
+    seen = 0
+    for label, kind in zip(labels, kinds):
+        if kind & ~EXTRA == TENSOR:
+            if seen == n:
+                return label
+            seen += 1
+    return None
+
+
 def _key_label(prefix, key):
     if isinstance(key, str) and key.isidentifier():
         return f"{prefix}.{key}"

@@ -207,13 +207,15 @@ class ModuleHooks:
                 # A module frame outside the root's forward (a submodule called directly) opens the
                 # batch: its weights are those of now.
                 self._begin_batch()
+            # The root's and top modules' frames end a check: recorded afresh (NOTE: [fresh frames]).
+            fresh = owner.is_top or self._depth == 0
             if not kwargs and len(args) == 1 and type(output) is _Tensor and type(args[0]) is _Tensor:
                 # Fast path: one positional tensor in, one tensor out (Linear, LayerNorm, Dropout, ...).
                 self._ring.record(owner, [args[0], output], _ONE_IN_ONE_OUT_LABELS, _ONE_IN_ONE_OUT_KINDS,
-                                  "forward", True, True, self._batches_done)
+                                  "forward", True, True, self._batches_done, None, fresh)
             else:
                 xs, labels, kinds = _frames.flatten_call(args, kwargs, output)
-                self._ring.record(owner, xs, labels, kinds, "forward", True, True, self._batches_done)
+                self._ring.record(owner, xs, labels, kinds, "forward", True, True, self._batches_done, None, fresh)
         except Exception as exc:  # numguard's own failure must not kill the job
             self._disable(owner, exc)
         if self._depth == 0 and not owner.is_top:

@@ -20,7 +20,7 @@ import weakref
 import torch
 
 from .. import ops, schema
-from .frames import ONE_IN_ONE_OUT_KINDS, ONE_IN_ONE_OUT_LABELS, Frame, local_shard
+from .frames import ONE_IN_ONE_OUT_KINDS, ONE_IN_ONE_OUT_LABELS, Frame, local_shard, plain_values, tensor_label
 
 MAX_RECORDS = 1 << 18   # records (16 MiB of float64[8]); older frames drop out beyond this
 _SEEN_LIMIT = 512       # tensors remembered for reuse within a batch
@@ -131,7 +131,7 @@ class _PythonRecorder:
     def seen_count(self):
         return len(self._seen)
 
-    def record_frame(self, owner, xs, labels, kinds, section, hf, weights, batch, state=None):
+    def record_frame(self, owner, xs, labels, kinds, section, hf, weights, batch, state=None, fresh=False):
         ring = self._ring()
         flag = None
         if weights and owner.flag is not None and owner.flag_batch != batch:
@@ -140,7 +140,8 @@ class _PythonRecorder:
             flag = owner.flag
         pos = self.pos
         dtypes, shapes, positions, n, lo = self._record(ring, xs, flag, pos, owner.headroom,
-                                                        ring.state if state is None else state, state is None)
+                                                        ring.state if state is None else state, state is None,
+                                                        fresh, (owner, labels, kinds))
         self.pos = pos + n
         bstart = None
         if hf:
@@ -153,25 +154,27 @@ class _PythonRecorder:
                                  n, weights and bool(owner.widx), hf, positions, lo))
         ring.frame_starts.append(pos)
 
-    def _record(self, ring, xs, flag, pos, headroom, state, reuse):
+    def _record(self, ring, xs, flag, pos, headroom, state, reuse, fresh=False, where=None):
         seen = self._seen if reuse else {}
+        lookup = {} if fresh else seen  # NOTE: [fresh frames] (csrc/recorder.cpp)
         dev_index = ring.device_index
         dtypes = []
         shapes = []
         positions = []
         new = []
+        new_index = []  # index into xs of each tensor in `new`
         slots = None  # per fresh tensor, once one of them goes to a side ring
         route = reuse and ring.route is not None
         lo = pos
         clean = True
-        for x in xs:
+        for i, x in enumerate(xs):
             dtype = x.dtype
             dtypes.append(dtype)
             try:
                 shapes.append(tuple(x.shape))
             except RuntimeError:  # nested tensors have no single shape
                 shapes.append(())
-            hit = seen.get(id(x))
+            hit = lookup.get(id(x))
             # Only tensors with a version counter are ever in `seen` (inference tensors are not).
             if hit is not None and hit[0]() is x and hit[1] == x._version:
                 p = hit[2]
@@ -181,13 +184,14 @@ class _PythonRecorder:
             else:
                 positions.append(pos + len(new))
                 new.append(x)
+                new_index.append(i)
                 if clean:
                     if route or x.get_device() != dev_index:
                         # NOTE: [one ring per device]; a frame with a state of its own: sanitize.
                         slot = self._slot(ring, x, dev_index) if reuse else -1
                     else:
                         slot = 0
-                    if slot < 0 or dtype not in _RECORDABLE or x.layout is not _STRIDED:
+                    if slot < 0 or dtype not in _RECORDABLE or x.layout is not _STRIDED or type(x) not in _PLAIN:
                         clean = False
                     elif slot:
                         if slots is None:
@@ -195,10 +199,11 @@ class _PythonRecorder:
                         slots.append(slot)
                     elif slots is not None:
                         slots.append(0)
-        fresh = new
+        recorded = new
+        at = None if where is None else where + (tuple(new_index),)
         if not clean:
             slots = None
-            new = ring.sanitize(new)
+            new = ring.sanitize(new, at)
         if flag is not None:
             positions.append(pos + len(new))
             new.append(flag)
@@ -214,17 +219,18 @@ class _PythonRecorder:
                     self._record_routed(ring, new, slots, pos, headroom)
             except Exception:
                 if not clean or slots is not None or not any(
-                        x.is_meta or x.is_nested or local_shard(x) is not x for x in fresh):
+                        x.is_meta or x.is_nested or local_shard(x) is not x for x in recorded):
                     raise
                 # The quick screen above passes what only the op can reject (meta, nested
                 # tensors, DTensors): record their values through sanitize instead of losing the frame.
-                new[:len(fresh)] = ring.sanitize(fresh)
+                new[:len(recorded)] = ring.sanitize(recorded, at)
                 ops.record_(ring.ring, state, new, pos, headroom)
             if len(seen) > _SEEN_LIMIT:
                 seen.clear()
             try:
-                for i, x in enumerate(fresh if reuse else ()):
-                    seen[id(x)] = (weakref.ref(x), x._version, pos + i)
+                for i, x in enumerate(recorded if reuse else ()):
+                    if type(x) in _PLAIN:  # a subclass is recorded through its parts: never reused
+                        seen[id(x)] = (weakref.ref(x), x._version, pos + i)
             except (RuntimeError, TypeError):  # inference tensors: no version counter, no reuse
                 pass
         return tuple(dtypes), tuple(shapes), tuple(positions), n, lo
@@ -286,8 +292,11 @@ class FrameRing:
     pending_start = _recorder_field("pending_start", "Transformers' 'Starting batch number' lines go before "
                                                      "the next module frame (None: none pending).")
 
-    def __init__(self, size, device, on_drop=None):
+    def __init__(self, size, device, on_drop=None, on_unchecked=None):
         self.on_drop = on_drop
+        # on_unchecked(owner, label, tensor): a tensor whose values numguard cannot read (NOTE:
+        # [tensor subclasses]) was recorded as empty; owner and label are None when not known.
+        self.on_unchecked = on_unchecked
         self.frames = []
         self.frame_starts = []      # start position per frame (for bisect)
         self._recorder = None
@@ -324,7 +333,8 @@ class FrameRing:
         # garbage collector could see through C++).
         ring_ref = weakref.ref(self)
         native_recorder = recorder(self.ring, self.state, self.frames, self.frame_starts, Frame,
-                                   lambda xs: ring_ref().sanitize(xs), lambda needed: ring_ref()._grow(needed),
+                                   lambda xs, where=None: ring_ref().sanitize(xs, where),
+                                   lambda needed: ring_ref()._grow(needed),
                                    _SEEN_LIMIT)
         native_recorder.set_fast_path(ONE_IN_ONE_OUT_LABELS, ONE_IN_ONE_OUT_KINDS, "forward")
         native_recorder.set_side_factory(lambda key: ring_ref()._add_side(key))
@@ -384,14 +394,21 @@ class FrameRing:
         """Tensors remembered for reuse now."""
         return self._recorder.seen_count()
 
-    def sanitize(self, xs):
-        """Make a frame's tensors recordable, keeping every value that can hold a NaN: sparse,
-        nested and quantized tensors are recorded through their values, complex through its real
-        view, other devices copied to the ring's device; a meta tensor (no values) becomes an
-        empty stand-in."""
+    def sanitize(self, xs, where=None):
+        """Make a frame's tensors recordable, keeping every value that can hold a NaN: tensor
+        subclasses are recorded through their plain values (frames.plain_values), sparse, nested
+        and quantized tensors through their values, complex through its real view, other devices
+        copied to the ring's device; a meta tensor (no values) becomes an empty stand-in, and so
+        does a subclass whose values cannot be reached, told to `on_unchecked`. `where`: (owner,
+        labels, kinds, index of each of `xs` among the frame's tensors), or None."""
         out = []
-        for x in xs:
-            x = local_shard(x.detach())
+        for i, x in enumerate(xs):
+            values = plain_values(x)
+            if values is None:
+                self._unchecked(x, i, where)
+                out.append(torch.empty(0, device=self.device))
+                continue
+            x = values.detach()
             if x.is_meta:
                 out.append(torch.empty(0, device=self.device))
                 continue
@@ -412,6 +429,15 @@ class FrameRing:
                 x = x.to(self.device, non_blocking=self.device.type == "cuda")
             out.append(x)
         return out
+
+    def _unchecked(self, x, i, where):
+        if self.on_unchecked is None:
+            return
+        owner = label = None
+        if where is not None:
+            owner, labels, kinds, index = where
+            label = tensor_label(labels, kinds, index[i]) if i < len(index) else None
+        self.on_unchecked(owner, label, x)
 
     @outside_inference_mode
     def _grow(self, needed):

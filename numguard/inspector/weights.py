@@ -9,7 +9,7 @@ import math
 import torch
 
 from .. import ops, schema
-from .frames import local_shard
+from .frames import plain_values
 from .ring import WEIGHT_HEADROOM, outside_inference_mode
 
 # Largest finite value of each dtype whose headroom numguard watches (numguard.schema).
@@ -27,16 +27,26 @@ def _watchable(p):
     return p.device.type != "meta" and not p.is_complex() and p.layout == torch.strided
 
 
-def _unique_params(params):
-    """Every watched parameter once (tied weights once), in module order."""
+def _unique_params(params, on_unchecked=None):
+    """Every watched parameter once (tied weights once), in module order. A tensor subclass whose
+    values cannot be read (NOTE: [tensor subclasses]) is left out and told to `on_unchecked`."""
     unique = []
     seen = set()
-    for _, own in params:
-        for _, p in own:
-            if id(p) not in seen and _watchable(p):
-                seen.add(id(p))
+    for owner, own in params:
+        for name, p in own:
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if type(p) not in _PLAIN and plain_values(p) is None:
+                if on_unchecked is not None:
+                    on_unchecked(owner, name, p)
+                continue
+            if _watchable(p):
                 unique.append(p)
     return unique
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class WeightTable:
@@ -45,12 +55,13 @@ class WeightTable:
     `tables[batch] = (stats [W, 8], layout)`; layout rows are parameters, each owner knows its
     rows (`owner.widx`) and names (`owner.wnames`)."""
 
-    def __init__(self, owners, headroom):
+    def __init__(self, owners, headroom, on_unchecked=None):
         self.owners = owners
+        self.on_unchecked = on_unchecked  # (owner, parameter name, tensor): a weight not checked
         self.headroom = headroom
         self.tables = {}
         self.layout = None
-        self._cache = None           # (parameter ids, layout, positions of the watched ones, dtypes, any DTensor)
+        self._cache = None           # (parameter ids, layout, positions of the watched ones, dtypes, any subclass)
         self.limits_inv = None       # 1 / dtype max per row (0 for wide dtypes), for headroom
         self._groups = None          # (device per row, rows per device, inverse order on the table's device)
         walk = getattr(ops.native_module(), "ParameterWalk", None)
@@ -113,7 +124,7 @@ class WeightTable:
             unique = self._build_layout()
             index = {id(p): i for i, p in reversed(list(enumerate(current)))}
             self._cache = (fingerprint, self.layout, [index[id(p)] for p in unique], [p.dtype for p in unique],
-                           any(local_shard(p) is not p for p in unique))
+                           any(type(p) not in _PLAIN for p in unique))
         layout = self.layout
         if not layout["tensors_n"]:
             return None
@@ -124,7 +135,8 @@ class WeightTable:
             self._cache = None
             layout = self.layout
         with torch.no_grad():
-            tensors = [local_shard(p) for p in unique] if self._cache is None or self._cache[4] else unique
+            # Subclasses (DTensor: this rank's shard; wrappers: their inner tensors) through their values.
+            tensors = [plain_values(p) for p in unique] if self._cache is None or self._cache[4] else unique
             stats = ops.multi_tensor_stats(tensors, checked=True) if layout["one_device"] else \
                 self._stats_by_device(tensors, layout["flags"].device)
         if self._walk is not None:
@@ -158,7 +170,7 @@ class WeightTable:
 
     def _build_layout(self):
         params = self._current_params()
-        unique = _unique_params(params)
+        unique = _unique_params(params, self.on_unchecked)
         index = {id(p): i for i, p in enumerate(unique)}
         wi, mi = [], []
         one_device = all(stats_device(p) == stats_device(unique[0]) for p in unique)
