@@ -3,11 +3,14 @@
 * tensor_stats on 256 MB and 1 GB tensors (fp32, bf16, fp16) against a device-to-device copy
   (bytes read + written) and torch.sum (one read); target: stats >= 80% of copy bandwidth;
 * multi_tensor_stats over 1000 tensors of 4 KB against 1000 separate tensor_stats calls;
-  target: >= 20x faster.
+  target: >= 20x faster;
+* multi_tensor_fingerprint over a GPT-2-small-like parameter list against a copy of the same bytes;
+  target: no slower than the copy (it reads each byte once, the copy reads and writes it).
 
-Prints a table and writes JSON to benchmarks/results/bench_cuda_bandwidth.json.
+Prints a table and writes JSON to benchmarks/results/bench_cuda_bandwidth.json; refuses to time
+anything unless numguard's CUDA kernels serve (never the pure-PyTorch fallback).
 
-    python benchmarks/bench_cuda_bandwidth.py [--sizes-mb 256 1024] [--iters 20]
+    python benchmarks/bench_cuda_bandwidth.py [--sizes-mb 256 1024] [--iters 20] [--figures]
 """
 from __future__ import annotations
 
@@ -89,20 +92,35 @@ def multi_tensor_row(count: int, nbytes: int, reps: int):
     return row
 
 
+def fingerprint_row(reps: int = 20) -> dict:
+    """multi_tensor_fingerprint over a GPT-2-small-like parameter list, against a copy of its bytes."""
+    xs = [torch.randn(n, device="cuda") for n in [50257 * 384, 384 * 1152] + [384 * 384] * 40 + [384] * 60]
+    nbytes = sum(x.numel() * x.element_size() for x in xs)
+    flat = torch.cat([x.reshape(-1) for x in xs])
+    dst = torch.empty_like(flat)
+    t_fp = time_wall(lambda: ops.multi_tensor_fingerprint(xs), reps)
+    t_copy = time_wall(lambda: dst.copy_(flat), reps)
+    return {"tensors": len(xs), "mb": nbytes / 1e6, "fingerprint_us": t_fp * 1e6, "copy_us": t_copy * 1e6,
+            "fingerprint_vs_copy": t_fp / t_copy}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", default=os.path.join(RESULTS, "bench_cuda_bandwidth.json"))
+    parser.add_argument("--figures", action="store_true", help="also print the figures for gpu_check.py")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_cuda_bandwidth: no CUDA device visible; nothing to measure")
         return 1
     native = ops.native_module()
     archs = native.cuda_architectures() if native is not None else []
-    if not archs:
-        print(f"bench_cuda_bandwidth: numguard has no CUDA kernels (backend={numguard.backend()}); "
-              "the numbers below would be the fallback's")
+    if not archs or numguard.backend() != "native":
+        # Never time the pure-PyTorch fallback as if it were the kernels.
+        print(f"bench_cuda_bandwidth: numguard's CUDA kernels are not in use (backend={numguard.backend()}, "
+              f"archs={archs}, reason={ops.fallback_reason()}); nothing measured")
+        return 1
     rows = bandwidth_rows(args.sizes_mb, args.iters)
     multi = multi_tensor_row(1000, 4096, reps=10)
 
@@ -126,10 +144,23 @@ def main(argv=None) -> int:
           f"({'met' if min_ratio >= 0.8 else 'NOT met'}); multi-tensor >= 20x: {multi['speedup']:.1f}x "
           f"({'met' if multi['speedup'] >= 20 else 'NOT met'})")
 
+    fingerprint = fingerprint_row()
+    print(f"multi_tensor_fingerprint of {fingerprint['tensors']} tensors, {fingerprint['mb']:.1f} MB: "
+          f"{fingerprint['fingerprint_us']:.1f} us, {fingerprint['fingerprint_vs_copy']:.2f}x the time of a copy "
+          f"of the same bytes")
+    if args.figures:
+        from gpu_check import figure
+        figure("tensor_stats / copy bandwidth, min over sizes and dtypes", min_ratio, ">= 0.80", min_ratio >= 0.8,
+               "x")
+        figure("multi_tensor_stats vs separate calls (1000 x 4 KB)", multi["speedup"], ">= 20",
+               multi["speedup"] >= 20, "x")
+        figure("multi_tensor_fingerprint time / copy time", fingerprint["fingerprint_vs_copy"], "<= 1.0",
+               fingerprint["fingerprint_vs_copy"] <= 1.0, "x")
+
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"device": name, "torch": torch.__version__, "backend": numguard.backend(), "archs": archs,
-                   "bandwidth": rows, "multi_tensor": multi}, f, indent=2)
+                   "bandwidth": rows, "multi_tensor": multi, "fingerprint": fingerprint}, f, indent=2)
     print(f"wrote {args.json}")
     ok = all(r["matches_reference"] for r in rows) and multi["matches_separate_calls"]
     return 0 if ok else 1

@@ -6,7 +6,9 @@ the device cursor); a watched torch.compile'd model's call captured in a CUDA gr
 frames recorded inside the graph and a NaN planted between replays reported. Exits non-zero on any
 mismatch.
 
-    python benchmarks/cuda_graph_check.py [--compiled]   (--compiled: only the compiled-model capture)
+    python benchmarks/cuda_graph_check.py [--compiled] [--device cpu]
+      --compiled    only the compiled-model capture
+      --device cpu  only the records against the reference, on the CPU kernels (no GPU needed)
 """
 from __future__ import annotations
 
@@ -85,7 +87,8 @@ def correctness(device) -> None:
     # More tensors than one launch holds, mixed dtypes and sizes.
     many = [hostile(FLOAT_DTYPES[i % 6] if i % 3 else INT_DTYPES[i % 6], (i * 37) % 3000, gen) for i in range(500)]
     check("500 mixed tensors", numguard.multi_tensor_stats([x.to(device) for x in many]), reference(many))
-    torch.cuda.synchronize()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def graph_capture(device) -> None:
@@ -292,6 +295,8 @@ def compiled_step_capture(device) -> None:
 
 
 def main() -> int:
+    if "--device" in sys.argv[1:] and sys.argv[sys.argv.index("--device") + 1:][:1] == ["cpu"]:
+        return run_checks(torch.device("cpu"), (("correctness vs reference (CPU kernels)", correctness),))
     if not torch.cuda.is_available():
         print("cuda_graph_check: no CUDA device visible")
         return 1
@@ -306,6 +311,13 @@ def main() -> int:
               ("no host sync", no_sync), ("record_at_cursor_ in a CUDA graph", graph_cursor_capture))
     if "--compiled" in sys.argv[1:]:  # its own gpu_check phase: torch.compile takes a while
         checks = (("watched compiled call in a CUDA graph", compiled_step_capture),)
+    return run_checks(device, checks)
+
+
+def run_checks(device, checks) -> int:
+    if numguard.backend() != "native":
+        print(f"cuda_graph_check: numguard's native kernels are not in use ({ops.fallback_reason()})")
+        return 1
     for name, fn in checks:
         start = time.perf_counter()
         before = len(failures)

@@ -40,7 +40,8 @@ at::Tensor multi_tensor_fingerprint_cpu(at::TensorList xs) {
   check_same_device(xs, "xs");
   std::vector<FingerprintChunk> chunks;
   for (size_t i = 0; i < xs.size(); ++i) {
-    dense.push_back(xs[i].is_contiguous() ? xs[i] : xs[i].contiguous());
+    const at::Tensor x = element_aligned(xs[i]);  // NOTE: [element alignment]
+    dense.push_back(x.is_contiguous() ? x : x.contiguous());
     const int64_t n = dense.back().numel();
     for (int64_t b = 0; b < n; b += kFingerprintChunkElems) {
       chunks.push_back({static_cast<int64_t>(i), b, std::min(n, b + kFingerprintChunkElems)});

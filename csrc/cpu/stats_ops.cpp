@@ -38,11 +38,14 @@ struct Plan {
   c10::SmallVector<int64_t, 6> strides;  // in elements, outermost first
   int64_t chunk_elems = 0;
   int64_t num_chunks = 0;
+  at::Tensor aligned_copy;  // holds the bytes of a misaligned tensor (NOTE: [element alignment])
 };
 
-Plan make_plan(const at::Tensor& x, const DtypeInfo& info) {
+Plan make_plan(const at::Tensor& input, const DtypeInfo& info) {
   Plan plan;
   plan.info = info;
+  const at::Tensor x = element_aligned(input);
+  if (!x.is_same(input)) plan.aligned_copy = x;
   plan.chunk_elems = kChunkBytes / info.elem_size;
   StrideLayout layout = analyze_strides(x);
   if (layout.numel == 0) return plan;  // numel 0, no chunks: the empty record
@@ -271,7 +274,8 @@ void record_at_cursor_cpu(const at::Tensor& ring, const at::Tensor& state, const
   const std::vector<Plan> plans = make_plans(xs, "xs");
   int64_t* cur = cursor.mutable_data_ptr<int64_t>();
   if (!record_frame(ring, state, plans, cur[kCursorPosition], headroom)) return;
-  log_graph_call(cur, log.mutable_data_ptr<int64_t>(), log.size(0), slot, static_cast<int64_t>(plans.size()));
+  const GraphCall call = claim_graph_call(cur, static_cast<int64_t>(plans.size()));
+  log_graph_call(call, cur, log.mutable_data_ptr<int64_t>(), log.size(0), slot);
 }
 
 }  // namespace cpu

@@ -84,7 +84,8 @@ at::Tensor multi_tensor_fingerprint_cuda(at::TensorList xs) {
     int64_t most = 0;
     for (size_t j = 0; j < count; ++j) {
       const at::Tensor& x = xs[first + j];
-      at::Tensor dense = x.is_contiguous() ? x : x.contiguous();
+      const at::Tensor aligned = element_aligned(x);  // NOTE: [element alignment]
+      at::Tensor dense = aligned.is_contiguous() ? aligned : aligned.contiguous();
       keep_alive.push_back(dense);
       batch.data[j] = dense.numel() ? dense.const_data_ptr() : nullptr;
       batch.numel[j] = dense.numel();

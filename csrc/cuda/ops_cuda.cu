@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -60,8 +61,9 @@ struct DenseView {
 DenseView dense_view(const at::Tensor& input, const char* what, int64_t index, std::vector<at::Tensor>& keep_alive) {
   const DtypeInfo info = check_input(input, what, index);
   // A lazily negated view holds the values un-negated in memory: +Inf and -Inf would swap.
-  const at::Tensor x = input.is_neg() ? input.resolve_neg() : input;
-  if (input.is_neg()) keep_alive.push_back(x);
+  // NOTE: [element alignment] (numguard/host_checks.h): a misaligned start is read from a copy.
+  const at::Tensor x = element_aligned(input.is_neg() ? input.resolve_neg() : input);
+  if (!x.is_same(input)) keep_alive.push_back(x);
   DenseView view;
   view.kind = info.kind;
   view.element_size = info.elem_size;
@@ -155,6 +157,19 @@ at::Tensor multi_tensor_stats_cuda(at::TensorList xs) {
   return out;
 }
 
+// NOTE: [rings on side streams]
+// A ring is allocated on one stream; a frame recorded on another stream writes it later than the
+// allocator knows. Marking the ring's tensors as used on that stream keeps their memory from being
+// handed out again while the write is pending. Not done while the stream is being captured: the
+// graph's replays write memory the graph's owner keeps alive.
+void mark_used_on_side_stream(std::initializer_list<const at::Tensor*> tensors, const c10::cuda::CUDAStream& stream) {
+  if (stream == c10::cuda::getDefaultCUDAStream(stream.device_index())) return;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &capture));
+  if (capture != cudaStreamCaptureStatusNone) return;
+  for (const at::Tensor* t : tensors) t->record_stream(stream);
+}
+
 void record_cuda(const at::Tensor& ring, const at::Tensor& state, at::TensorList xs, int64_t position,
                  double headroom) {
   check_ring_and_state(ring, state, at::kCUDA, /*contiguous=*/true);
@@ -169,9 +184,10 @@ void record_cuda(const at::Tensor& ring, const at::Tensor& state, at::TensorList
   double* records_ptr = records.mutable_data_ptr<double>();
   double* max_ptr = max_values.mutable_data_ptr<double>();
   compute_records(xs, records_ptr, max_ptr, device);
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(device.index());
+  mark_used_on_side_stream({&ring, &state}, stream);
   launch_record(records_ptr, max_ptr, n, ring.mutable_data_ptr<double>(), ring.size(0),
-                state.mutable_data_ptr<int64_t>(), position, headroom,
-                c10::cuda::getCurrentCUDAStream(device.index()).stream());
+                state.mutable_data_ptr<int64_t>(), position, headroom, stream.stream());
 }
 
 // record_at_cursor_ (csrc/ops.cpp): record_cuda with the position read on the device.
@@ -189,10 +205,11 @@ void record_at_cursor_cuda(const at::Tensor& ring, const at::Tensor& state, cons
   double* records_ptr = records.mutable_data_ptr<double>();
   double* max_ptr = max_values.mutable_data_ptr<double>();
   if (n > 0) compute_records(xs, records_ptr, max_ptr, device);
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(device.index());
+  mark_used_on_side_stream({&ring, &state, &cursor, &log}, stream);
   launch_record_at_cursor(records_ptr, max_ptr, n, ring.mutable_data_ptr<double>(), ring.size(0),
                           state.mutable_data_ptr<int64_t>(), cursor.mutable_data_ptr<int64_t>(),
-                          log.mutable_data_ptr<int64_t>(), log.size(0), slot, headroom,
-                          c10::cuda::getCurrentCUDAStream(device.index()).stream());
+                          log.mutable_data_ptr<int64_t>(), log.size(0), slot, headroom, stream.stream());
 }
 
 }  // namespace

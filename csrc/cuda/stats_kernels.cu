@@ -163,15 +163,11 @@ __global__ void __launch_bounds__(kFinalizeThreads)
   if (threadIdx.x == 0 && max_values != nullptr) max_values[table.first_record + t] = headroom_limit(kind);
 }
 
-// One block: thread 0 walks the frame's records in order (update_recording_state), then the
-// block writes the records to the ring unless it was frozen before this frame. Returns (in every
-// thread) whether it was not frozen.
-__device__ __forceinline__ bool record_block(const double* records, const double* max_values, int64_t n, double* ring,
-                                             int64_t ring_rows, int64_t* state, int64_t position, double headroom) {
-  __shared__ bool write_rows;
-  if (threadIdx.x == 0) write_rows = update_recording_state(state, records, max_values, n, position, headroom);
-  __syncthreads();
-  if (!write_rows) return false;
+// A single-block recording kernel: thread 0 walks the frame's records in order (the state
+// update of numguard/stats_reduce.h), then the whole block writes the records to the ring at
+// `position` unless the ring was frozen before this frame.
+__device__ __forceinline__ void write_block_rows(const double* records, int64_t n, double* ring, int64_t ring_rows,
+                                                 int64_t position) {
   // When a frame holds more records than the ring has rows, record i is overwritten by record
   // i + ring_rows; only the last record of each row is stored, so the outcome is well defined.
   const int64_t first_kept = n > ring_rows ? n - ring_rows : 0;
@@ -179,26 +175,38 @@ __device__ __forceinline__ bool record_block(const double* records, const double
     const int64_t i = k / kNumStats;
     ring[ring_row(position + i, ring_rows) * kNumStats + k % kNumStats] = records[k];
   }
-  return true;
 }
 
 __global__ void __launch_bounds__(kRecordThreads)
     record_kernel(const double* records, const double* max_values, int64_t n, double* ring, int64_t ring_rows,
                   int64_t* state, int64_t position, double headroom) {
-  record_block(records, max_values, n, ring, ring_rows, state, position, headroom);
+  __shared__ bool write_rows;
+  if (threadIdx.x == 0) write_rows = update_recording_state(state, records, max_values, n, position, headroom);
+  __syncthreads();
+  if (write_rows) write_block_rows(records, n, ring, ring_rows, position);
 }
 
-// record_at_cursor_: the frame starts at cursor[kCursorPosition] (read on the device, so the
-// launch is the same every call and can be captured in a CUDA graph); thread 0 logs the call and
-// advances the cursor unless the ring was frozen.
+// record_at_cursor_: the frame's positions and log row are taken from the cursor on the device
+// (so the launch is the same every call and can be captured in a CUDA graph, and calls running at
+// once on different streams get distinct ones: NOTE: [concurrent recording]); nothing is taken,
+// written or logged when the ring was frozen.
 __global__ void __launch_bounds__(kRecordThreads)
     record_at_cursor_kernel(const double* records, const double* max_values, int64_t n, double* ring,
                             int64_t ring_rows, int64_t* state, int64_t* cursor, int64_t* log, int64_t log_rows,
                             int64_t slot, double headroom) {
-  const int64_t position = cursor[kCursorPosition];
-  if (record_block(records, max_values, n, ring, ring_rows, state, position, headroom) && threadIdx.x == 0) {
-    log_graph_call(cursor, log, log_rows, slot, n);
+  __shared__ bool write_rows;
+  __shared__ int64_t start;
+  if (threadIdx.x == 0) {
+    write_rows = !state_is_set(state, kTripped);
+    if (write_rows) {
+      const GraphCall call = claim_graph_call(cursor, n);
+      start = call.start;
+      note_records(state, records, max_values, n, call.start, headroom);
+      log_graph_call(call, cursor, log, log_rows, slot);
+    }
   }
+  __syncthreads();
+  if (write_rows) write_block_rows(records, n, ring, ring_rows, start);
 }
 
 }  // namespace

@@ -271,7 +271,8 @@ class FlagReader:
             self._make_host_buffer(src.numel())
         self._host.copy_(src, non_blocking=True)
         if self._event is not None:
-            self._event.record()
+            # The copy runs on the ring device's stream, which need not be the current device's.
+            self._event.record(torch.cuda.current_stream(self.ring.device))
         self.pending = (len(self.ring.frames), batch)
 
     @outside_inference_mode

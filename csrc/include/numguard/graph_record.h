@@ -28,14 +28,36 @@ NUMGUARD_HD int64_t ring_row(int64_t position, int64_t rows) {
   return row < 0 ? row + rows : row;
 }
 
-// Logs the call of `slot` (n records from the cursor's position) and advances the cursor.
-NUMGUARD_HD void log_graph_call(int64_t* cursor, int64_t* log, int64_t log_rows, int64_t slot, int64_t n) {
-  int64_t* entry = log + ring_row(cursor[kCursorCalls], log_rows) * kGraphLogWidth;
-  entry[kLogSlot] = slot;
-  entry[kLogStart] = cursor[kCursorPosition];
-  entry[kLogBatch] = cursor[kCursorBatch];
+// A call's place: its first record's position and its log row's call number.
+struct GraphCall {
+  int64_t start;
+  int64_t call;
+};
+
+// Takes the next n positions and the next call number from the cursor. On the device they are
+// taken with atomic adds, so calls running at once on different streams never share a position
+// or a log row (NOTE: [concurrent recording] in numguard/stats_reduce.h).
+NUMGUARD_HD GraphCall claim_graph_call(int64_t* cursor, int64_t n) {
+#ifdef __CUDA_ARCH__
+  auto* words = reinterpret_cast<unsigned long long*>(cursor);
+  const auto start = static_cast<int64_t>(atomicAdd(words + kCursorPosition, static_cast<unsigned long long>(n)));
+  const auto call = static_cast<int64_t>(atomicAdd(words + kCursorCalls, 1ull));
+  return GraphCall{start, call};
+#else
+  const GraphCall claimed{cursor[kCursorPosition], cursor[kCursorCalls]};
   cursor[kCursorPosition] += n;
   cursor[kCursorCalls] += 1;
+  return claimed;
+#endif
+}
+
+// Logs `call` of `slot` in its log row, with the batch the cursor holds.
+NUMGUARD_HD void log_graph_call(const GraphCall& call, const int64_t* cursor, int64_t* log, int64_t log_rows,
+                                int64_t slot) {
+  int64_t* entry = log + ring_row(call.call, log_rows) * kGraphLogWidth;
+  entry[kLogSlot] = slot;
+  entry[kLogStart] = call.start;
+  entry[kLogBatch] = cursor[kCursorBatch];
 }
 
 }  // namespace numguard

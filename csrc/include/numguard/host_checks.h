@@ -8,11 +8,14 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 #include <c10/util/SmallVector.h>
 
 #include <algorithm>
 #include <cctype>
+#include <cstdint>
 #include <string>
 #include <utility>
 
@@ -253,6 +256,32 @@ inline StrideLayout analyze_strides(const at::Tensor& x) {
     out.strides.clear();
   }
   return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Element alignment
+
+// NOTE: [element alignment]
+// A tensor made by from_blob or DLPack may start at an address that is not a multiple of its
+// element size. The kernels load whole elements (on CUDA, a scalar head up to 16-byte alignment
+// and then 16-byte vectors, which assumes whole-element steps), and a misaligned load kills the
+// CUDA context. Such a tensor is read from a copy of its bytes at an aligned address, with the
+// same sizes and strides; the bytes are copied as bytes, which needs no alignment. The copy is
+// made on the current stream and must outlive the launches that read it.
+inline bool is_element_aligned(const at::Tensor& x) {
+  return x.numel() == 0 || reinterpret_cast<uintptr_t>(x.const_data_ptr()) % x.element_size() == 0;
+}
+
+inline at::Tensor element_aligned(const at::Tensor& x) {
+  if (is_element_aligned(x)) return x;
+  int64_t extent = 1;  // elements from the first to the last one the strides reach, inclusive
+  for (int64_t d = 0; d < x.dim(); ++d) extent += (x.size(d) - 1) * x.stride(d);
+  const int64_t bytes = extent * static_cast<int64_t>(x.element_size());
+  const auto byte_options = at::TensorOptions().dtype(at::kByte).device(x.device());
+  const at::Tensor source = at::from_blob(const_cast<void*>(x.const_data_ptr()), {bytes}, byte_options);
+  at::Tensor copy = at::empty({bytes}, byte_options);
+  copy.copy_(source);
+  return copy.view(x.scalar_type()).as_strided(x.sizes(), x.strides());
 }
 
 // ---------------------------------------------------------------------------------------------

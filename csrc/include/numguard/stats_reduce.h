@@ -291,6 +291,44 @@ NUMGUARD_HD bool record_is_nonfinite(const double* rec) {
   return rec[kNan] + rec[kPosInf] + rec[kNegInf] > 0.0;
 }
 
+// NOTE: [concurrent recording]
+// Frames recorded on different CUDA streams (a side stream, a graph replayed there) can run at
+// the same time and update one state. On the device a flag is claimed with a compare-and-swap, so
+// exactly one record sets it and its position: the first to get there in time. On one stream, and
+// on the CPU, that is the first in program order. A frame already being recorded when another
+// stream's frame trips is still written, at its own positions; frames that start later are not.
+NUMGUARD_HD bool state_is_set(const int64_t* state, int field) {
+#ifdef __CUDA_ARCH__
+  return *reinterpret_cast<const volatile int64_t*>(state + field) != 0;  // another kernel may set it
+#else
+  return state[field] != 0;
+#endif
+}
+
+// Sets state[flag] and, for the one caller that set it, state[position_field] = position.
+NUMGUARD_HD void claim_first(int64_t* state, int flag, int position_field, int64_t position) {
+  if (state_is_set(state, flag)) return;
+#ifdef __CUDA_ARCH__
+  if (atomicCAS(reinterpret_cast<unsigned long long*>(state + flag), 0ull, 1ull) != 0ull) return;
+#else
+  state[flag] = 1;
+#endif
+  state[position_field] = position;
+}
+
+// Trips and headroom flags of a frame's records at positions position + i (NOTE: [concurrent
+// recording]); update_recording_state below, after checking the ring is not frozen.
+NUMGUARD_HD void note_records(int64_t* state, const double* records, const double* max_values, int64_t n,
+                              int64_t position, double headroom) {
+  for (int64_t i = 0; i < n; ++i) {
+    const double* rec = records + i * kNumStats;
+    if (record_is_nonfinite(rec)) claim_first(state, kTripped, kFirstTripPosition, position + i);
+    if (headroom > 0.0 && max_values[i] > 0.0 && rec[kAbsMax] > headroom * max_values[i]) {
+      claim_first(state, kHeadroomHit, kFirstHeadroomPosition, position + i);
+    }
+  }
+}
+
 // Recording: given a frame's finished records, decide what is written and how state changes.
 // Shared by the CPU and CUDA `record_` so that freeze-on-trip means the same on both.
 //   state      int64[kStateSize]
@@ -300,20 +338,8 @@ NUMGUARD_HD bool record_is_nonfinite(const double* rec) {
 // Returns true when the frame's records are to be written (the ring was not tripped before it).
 NUMGUARD_HD bool update_recording_state(int64_t* state, const double* records, const double* max_values,
                                         int64_t n, int64_t position, double headroom) {
-  const bool frozen = state[kTripped] != 0;
-  if (frozen) return false;
-  for (int64_t i = 0; i < n; ++i) {
-    const double* rec = records + i * kNumStats;
-    if (state[kTripped] == 0 && record_is_nonfinite(rec)) {
-      state[kTripped] = 1;
-      state[kFirstTripPosition] = position + i;
-    }
-    if (headroom > 0.0 && max_values[i] > 0.0 && state[kHeadroomHit] == 0 &&
-        rec[kAbsMax] > headroom * max_values[i]) {
-      state[kHeadroomHit] = 1;
-      state[kFirstHeadroomPosition] = position + i;
-    }
-  }
+  if (state_is_set(state, kTripped)) return false;  // frozen
+  note_records(state, records, max_values, n, position, headroom);
   return true;
 }
 
