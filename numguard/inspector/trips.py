@@ -334,6 +334,12 @@ class Reporter:
         first = coordination.earliest_fault(ranks) if ranks else None
         me = rank  # the details' ranks are the default group's, as checks.rank()
         elsewhere = first is not None and first[0] != me
+        if elsewhere:
+            # A rank whose own fault ties with the earliest (same batch, kind and frame) made it
+            # itself, as every rank does when each computes the NaN: it names its own.
+            mine = next((d for d in ranks if d is not None and d[0] == me), None)
+            if mine is not None and (mine.batch, mine.kind, mine.ordinal) == (first.batch, first.kind, first.ordinal):
+                elsewhere = False
         step = self._framework_step()
         if report is not None:
             report["ranks"] = [list(r) for r in ranks]
