@@ -14,6 +14,7 @@ a counter of its own, so a rank whose counter stands still is dead, not slow.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import os
@@ -451,18 +452,30 @@ class _Heartbeat:
 
     def __init__(self, ctx):
         key = ctx._key("beat", ctx.rank)
-        threading.Thread(target=self._loop, args=(ctx.addr, ctx.port, ctx.world, ctx.timeout, key),
-                         name="numguard-doctor-heartbeat", daemon=True).start()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(ctx.addr, ctx.port, ctx.world, ctx.timeout, key),
+                                        name="numguard-doctor-heartbeat", daemon=True)
+        self._thread.start()
+        # A thread still inside the store's C++ code when the interpreter ends aborts the process
+        # ("terminate called without an active exception"): stop it first.
+        atexit.register(self.stop)
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(timeout=HEARTBEAT_S + 2)
 
     def _loop(self, addr, port, world, timeout, key):
+        store = None
         try:
             store = dist.TCPStore(addr, port, world, False, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=timeout))
-            while True:
+            while not self._stop.is_set():
                 store.add(key, 1)
-                time.sleep(HEARTBEAT_S)
+                self._stop.wait(HEARTBEAT_S)
         except Exception:  # noqa: BLE001 - the store's host ended or died: nobody to tell
-            return
+            pass
+        finally:
+            del store
 
 
 class _Job:
