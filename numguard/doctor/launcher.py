@@ -222,10 +222,12 @@ class Context:
                     f"program listens on MASTER_PORT={self.port} (a stale job, a web server; see "
                     f"`ss -ltnp 'sport = :{self.port}'` on {self.addr}). Stop it, or start every "
                     "rank with a free MASTER_PORT")
+            # Nothing listens there: the same answer as the store's own error, whichever comes first.
             raise DoctorError(
-                f"rank {self.rank} on {self.host}: the rendezvous store at {where} did not "
-                f"answer within {self.timeout:g} s; start every rank with the same "
-                "MASTER_ADDR/MASTER_PORT as rank 0, or a longer --timeout")
+                f"rank {self.rank} on {self.host} could not reach the rendezvous store at "
+                f"{where} within {self.timeout:g} s: rank 0 never started it, gave up on this rank "
+                "after its own start-up timeout, or MASTER_ADDR/MASTER_PORT differ from rank 0's "
+                "(or give a longer --timeout)")
         if call.error is None:
             return call.result
         exc = call.error
