@@ -117,13 +117,19 @@ def test_cuda_two_streams_record_into_one_ring():
     assert written >= 2
 
 
+def _cursor_ring(rows, log_rows, device):
+    """A ring, its state, a graph cursor at its base position and a call log (record_at_cursor_)."""
+    ring, state = ops.new_ring(rows, device)
+    cursor = torch.tensor([schema.GRAPH_POSITION_BASE, 0, 0], dtype=torch.int64, device=device)
+    log = torch.zeros(log_rows, schema.GRAPH_LOG_WIDTH, dtype=torch.int64, device=device)
+    return ring, state, cursor, log
+
+
 @requires_native
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
 def test_cuda_two_streams_record_at_cursor_take_distinct_positions():
     device = "cuda"
-    ring, state = ops.new_ring(512, device)
-    cursor = torch.tensor([schema.GRAPH_POSITION_BASE, 0, 0], dtype=torch.int64, device=device)
-    log = torch.zeros(256, 3, dtype=torch.int64, device=device)
+    ring, state, cursor, log = _cursor_ring(512, 256, device)
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     for s in streams:
         s.wait_stream(torch.cuda.current_stream())
@@ -146,9 +152,7 @@ def test_cuda_two_streams_record_at_cursor_take_distinct_positions():
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
 def test_cuda_graph_replayed_on_a_side_stream_beside_eager_records():
     device = "cuda"
-    ring, state = ops.new_ring(256, device)
-    cursor = torch.tensor([schema.GRAPH_POSITION_BASE, 0, 0], dtype=torch.int64, device=device)
-    log = torch.zeros(128, 3, dtype=torch.int64, device=device)
+    ring, state, cursor, log = _cursor_ring(256, 128, device)
     x = torch.ones(1000, device=device)
     y = torch.full((1000,), 2.0, device=device)
     side = torch.cuda.Stream()
