@@ -524,3 +524,60 @@ def test_a_model_compiled_before_watch_is_named_in_a_warning():
         with warnings.catch_warnings():
             warnings.simplefilter("error", InspectorWarning)
             compiled(x)
+
+
+COMPILED_BEFORE_WATCH = ["torch.compile", "Module.compile", "submodule torch.compile", "submodule Module.compile"]
+
+
+def _compile_as(how, model):
+    """Compile `model` (or its block) as `how` says; returns what to call."""
+    if how == "torch.compile":
+        return torch.compile(model)
+    if how == "Module.compile":
+        model.compile()
+    elif how == "submodule torch.compile":
+        model.block = torch.compile(model.block)
+    else:
+        model.block.compile()
+    return model
+
+
+@pytest.mark.parametrize("how", COMPILED_BEFORE_WATCH)
+def test_a_trip_in_the_first_batch_of_a_model_compiled_before_watch_names_the_missing_frames(how):
+    """Compiled and run before watch(): the first watched batch trips (a NaN input, which does not
+    recompile) and the warning naming the frames that were not recorded comes before the report."""
+    model = make_net()
+    runner = _compile_as(how, model)
+    x = torch.randn(4, 8)
+    runner(x)  # compiled without numguard's hooks: dynamo reuses this code after watch()
+    x[0, 0] = float("nan")
+    warned_at_report = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inspector = numguard.watch(runner, report_to=lambda text: warned_at_report.append(
+            [str(w.message) for w in caught if issubclass(w.category, InspectorWarning)]))
+        with pytest.raises(numguard.NonFiniteError):
+            runner(x)
+    inspector.close(check=False)
+    (said,) = warned_at_report[0]
+    assert "compiled before watch" in said and "torch._dynamo.reset() before watch()" in said
+    assert "block.proj, block.norm" in said and "_orig_mod" not in said
+    assert ("the compiled model: inp, act, block, block.proj" in said) == (not how.startswith("submodule"))
+
+
+@pytest.mark.parametrize("how", COMPILED_BEFORE_WATCH)
+def test_a_model_compiled_after_watch_is_silent(how):
+    model = make_net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", InspectorWarning)
+        if how == "torch.compile":
+            runner = _compile_as(how, model)
+            inspector = numguard.watch(runner, report_to=None)
+        else:
+            inspector = numguard.watch(model, report_to=None)
+            runner = _compile_as(how, model)
+        for _ in range(2):
+            runner(torch.randn(4, 8))
+    frames = {f.owner.name for f in inspector._graph.logged_frames(0)[0]}
+    inspector.close()
+    assert "block.proj" in frames or "block._orig_mod.proj" in frames

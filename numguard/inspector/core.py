@@ -489,12 +489,11 @@ class Inspector(ModuleHooks):
         self._batch_open = False
         self._ring.forget_seen()
         self._ring.pending_start = self._batches_done
-        if batch == 0 and self._graph is not None and self._graph.untraced_submodules(self):
-            self._warn_once(("graph",), "numguard: the compiled model's submodules were not recorded: it was "
-                                        "compiled before watch() added numguard's hooks (dynamo does not "
-                                        "recompile for hooks), so only its output and weights are checked. "
-                                        "Call watch() before the compiled model's first call, or "
-                                        "torch._dynamo.reset() before watch().")
+        if batch == 0 and self._graph is not None:  # before the check: said before a trip's report
+            missing = self._guarded(self._graph.untraced_submodules, self)
+            if missing:
+                from .graph import untraced_message
+                self._warn_once(("graph",), untraced_message(missing))
         traced = batch in self.trace_batch_nums
         if traced:
             self._guarded(self._reporter.print_trace, batch)

@@ -46,6 +46,33 @@ _RECORDABLE = frozenset(getattr(torch, name) for name in schema.RECORDABLE_DTYPE
 _COMPILED_PREFIX = "_orig_mod"  # torch.compile's OptimizedModule holds the model under this name
 
 
+def _compiled(module):
+    """Whether `module` runs compiled code: torch.compile's wrapper, or compiled in place."""
+    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule) or \
+        getattr(module, "_compiled_call_impl", None) is not None
+
+
+def _shown_name(name):
+    """A module name as reports show it: without torch.compile's wrapper segments."""
+    return ".".join(part for part in name.split(".") if part != _COMPILED_PREFIX)
+
+
+def untraced_message(missing, limit=8):
+    """The warning for GraphRecorder.untraced_submodules' answer: which frames are missing, and
+    what to do."""
+    parts = []
+    for name, inside in missing:
+        shown = ", ".join(n or "(root)" for n in inside[:limit]) + (
+            f", ... ({len(inside)} modules)" if len(inside) > limit else "")
+        what = "the compiled model" if not name else f"compiled module {name!r}"
+        parts.append(f"{what}: {shown}")
+    return ("numguard: compiled before watch() added numguard's hooks (dynamo does not recompile for hooks), "
+            "so these modules recorded no frame in the first watched batch: " + "; ".join(parts)
+            + ". A NaN/Inf made inside them is reported at the compiled module's output (and its weights) "
+            "only, not at the module that made it. Call watch() before the compiled model's first call, "
+            "or torch._dynamo.reset() before watch().")
+
+
 class Slot(NamedTuple):
     """What one traced module call records: the host metadata of its frame."""
     recorder: str        # GraphRecorder.key
@@ -374,16 +401,36 @@ class GraphRecorder:
             self.floor_calls = self.cursor[schema.CURSOR_CALLS].clone()
 
     def untraced_submodules(self, inspector):
-        """After the first batch: whether a compiled model ran without numguard's hooks in its
-        graph (it was compiled before watch(); dynamo does not guard on hooks, so it reused that
-        code): no frame but the model's own was recorded, in the graph or eagerly."""
-        root = inspector.model
-        if not isinstance(root, torch._dynamo.eval_frame.OptimizedModule) or len(inspector._owners) <= 2:
-            return False
-        own = {"", _COMPILED_PREFIX}
+        """After the first batch: the compiled modules (``torch.compile(m)`` or ``m.compile()``, the
+        model or one inside it) that ran without numguard's hooks in their graph (compiled before
+        watch(); dynamo does not guard on hooks, so it reused that code): none of their submodules
+        recorded a frame, in the graph or eagerly. [(compiled module's name, [its submodules'
+        names])], outermost first, names as reports show them."""
         recorded = {slot.owner_name for slot in _slots if slot.recorder == self.key}
         recorded.update(f.owner.name for f in inspector._ring.frames)
-        return recorded <= own
+        if not recorded:
+            return []  # nothing ran at all
+        names = [owner.name for owner in inspector._owners]
+        missing = []
+        for owner in inspector._owners:
+            module = owner.ref() if owner.ref is not None else None
+            if module is None or not _compiled(module):
+                continue
+            name = owner.name
+            prefix = name + "." if name else ""
+            if any(name == outer or name.startswith(outer + ".") for outer, _ in missing):
+                continue  # inside a compiled module already named
+            wrapped = prefix + _COMPILED_PREFIX  # an OptimizedModule's model: the module itself
+            inside = [n for n in names if n.startswith(prefix) and n not in (name, wrapped)]
+            if not inside or any(n in recorded for n in inside):
+                continue
+            # A compiled model's own hooks run outside its graph; an in-place compiled submodule's
+            # do not, so for it the model having run is what there is to go by.
+            if name and isinstance(module, torch._dynamo.eval_frame.OptimizedModule) \
+                    and not {name, wrapped} & recorded:
+                continue
+            missing.append((name, inside))
+        return [(_shown_name(name), [_shown_name(n) for n in inside]) for name, inside in missing]
 
     def records_gradient_at(self, position):
         """Whether the graph record at `position` is a gradient's (host reads of the cursor and the
