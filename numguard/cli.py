@@ -154,19 +154,8 @@ def _doctor(args):
         # A usage error (2) is the user's to fix; anything else is the job failing its check.
         verdict = "" if exc.status == 2 else "FAILED: "
         status = _fail(f"doctor: {verdict}{exc}", status=exc.status)
-    _end_if_threads_abandoned(status)
+    doctor.end_if_threads_abandoned(status)
     return status
-
-
-def _end_if_threads_abandoned(status):
-    """A doctor that gave up at a deadline (a store that never answered, a rank that never came)
-    leaves its waiting threads inside torch's C++ code, and an interpreter that ends around them
-    aborts (SIGABRT) instead of exiting with the doctor's status: end the process here."""
-    import threading
-    if any(t.is_alive() and t.name in ("numguard-doctor-init", "numguard-doctor-store") for t in threading.enumerate()):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
 
 
 def _fail(message, status=2):

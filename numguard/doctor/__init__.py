@@ -8,7 +8,7 @@ has a timeout that names the ranks that did not come. See :func:`numguard.doctor
 Modules: ``launcher`` (rendezvous, process group, timed steps), ``facts``, ``findings``,
 ``checks`` (correctness), ``performance``, ``report`` (text, JSON, plot), ``runner`` (the order).
 """
-from .launcher import DoctorError, SettingError, parse_sizes
+from .launcher import DoctorError, SettingError, end_if_threads_abandoned, parse_sizes
 from .runner import Options, run
 
-__all__ = ["DoctorError", "Options", "SettingError", "parse_sizes", "run"]
+__all__ = ["DoctorError", "Options", "SettingError", "end_if_threads_abandoned", "parse_sizes", "run"]

@@ -21,6 +21,7 @@ import os
 import queue
 import re
 import socket
+import sys
 import threading
 import time
 
@@ -212,7 +213,7 @@ class Context:
         call = _Deadline(lambda: dist.TCPStore(
             self.addr, self.port, self.world, is_master,
             timeout=datetime.timedelta(seconds=self.timeout), wait_for_workers=False),
-            "numguard-doctor-store")
+            _STORE_THREAD)
         # The store's own retries end at `timeout`; the grace lets its clearer error come first.
         if not call.wait(self.timeout + _STORE_GRACE_S):
             if _accepts_connections(self.addr, self.port):
@@ -263,7 +264,7 @@ class Context:
         # Gloo connects every pair here and waits for a rank that died after it arrived.
         name = "start the process group"
         tag = self._enter()
-        call = _Deadline(init, "numguard-doctor-init")
+        call = _Deadline(init, _INIT_THREAD)
         if not call.wait(self.timeout):
             raise self._timed_out(name, tag, self.timeout)
         if call.error is not None:
@@ -414,6 +415,20 @@ class Context:
             if pending:
                 time.sleep(0.05)
         return pending
+
+
+_STORE_THREAD = "numguard-doctor-store"
+_INIT_THREAD = "numguard-doctor-init"
+
+
+def end_if_threads_abandoned(status):
+    """A doctor that gave up at a deadline (a store that never answered, a rank that never came)
+    leaves its waiting threads inside torch's C++ code, and an interpreter that ends around them
+    aborts (SIGABRT) instead of exiting with the doctor's status: end the process here."""
+    if any(t.is_alive() and t.name in (_STORE_THREAD, _INIT_THREAD) for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 class _Deadline:
