@@ -21,9 +21,10 @@ TORCH_LIBRARY(numguard, m) {
   m.def("multi_tensor_stats(Tensor[] xs) -> Tensor");
   // Write the records of xs into ring[(position + i) % ring.size(0)] unless state says the ring
   // is tripped (frozen); then trip it if any record holds NaN/Inf, and flag low-precision tensors
-  // whose abs max exceeds headroom * finfo.max (headroom <= 0 disables that check).
+  // whose abs max exceeds headroom * finfo.max (headroom <= 0 disables that check). The first
+  // `context` xs are context: they trip only with a later one (NOTE: [context records]).
   // ring: float64[R, 8]; state: int64[4] (see StateField in numguard/stats_reduce.h).
-  m.def("record_(Tensor(a!) ring, Tensor(b!) state, Tensor[] xs, int position, float headroom) -> ()");
+  m.def("record_(Tensor(a!) ring, Tensor(b!) state, Tensor[] xs, int position, float headroom, int context=0) -> ()");
 
   // --- replica fingerprints (NOTE: [fingerprint] in numguard/stats_reduce.h) ---
   // int64[len(xs)] on the tensors' device: the exact 64-bit digest of each tensor's bits (uint64
@@ -34,7 +35,7 @@ TORCH_LIBRARY(numguard, m) {
   // (slot, start, cursor[2]) at log row cursor[1] mod L and advances cursor[0] by len(xs) and
   // cursor[1] by 1. cursor: int64[3], log: int64[L, 3] (see numguard/graph_record.h).
   m.def("record_at_cursor_(Tensor(a!) ring, Tensor(b!) state, Tensor(c!) cursor, Tensor(d!) log, Tensor[] xs, "
-        "int slot, float headroom) -> ()");
+        "int slot, float headroom, int context=0) -> ()");
 }
 
 namespace numguard {

@@ -13,6 +13,7 @@
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
 #include <unordered_map>
 #include <vector>
 
@@ -24,7 +25,7 @@ namespace py = pybind11;
 namespace numguard {
 namespace {
 
-using RecordSignature = void(const at::Tensor&, const at::Tensor&, at::TensorList, int64_t, double);
+using RecordSignature = void(const at::Tensor&, const at::Tensor&, at::TensorList, int64_t, double, int64_t);
 
 // A tensor already recorded this batch. The weak reference keeps the TensorImpl's memory (not its
 // data) from being reused while it is in the table, so a key that matches is the same tensor.
@@ -32,6 +33,7 @@ struct SeenTensor {
   c10::weak_intrusive_ptr<c10::TensorImpl> ref;
   int64_t version;
   int64_t position;
+  bool context;  // recorded as a call's input (NOTE: [context records]): not reused for an output
 };
 
 // Whether the record_ kernel takes `x` as it is; anything else goes through the Python side's
@@ -132,10 +134,10 @@ class FrameRecorder {
   // (a tensor or None): the recording state to update instead of the ring's own; such a frame
   // neither reuses records nor is reused (every tensor of it is recorded, and recorded again by
   // the frames that follow, so their own state sees it). `fresh`: reuse no earlier record (NOTE:
-  // [fresh frames]).
+  // [fresh frames]). `context`: how many leading xs are the call's inputs (NOTE: [context records]).
   void record_frame(const py::handle& owner, const py::list& xs, const py::object& labels, const py::object& kinds,
                     const py::object& section, bool hf, bool weights, int64_t batch,
-                    const py::object& state = py::none(), bool fresh = false) {
+                    const py::object& state = py::none(), bool fresh = false, int64_t context = 0) {
     if (!state.is_none()) {
       if (!THPVariable_Check(state.ptr())) throw py::type_error("numguard: state must be a tensor or None");
       state_override_ = THPVariable_Unpack(state.ptr());
@@ -168,7 +170,7 @@ class FrameRecorder {
     const double headroom = owner.attr(kHeadroom).cast<double>();
     const int64_t start = pos;
     Recorded got = record_tensors(xs, flag, start, headroom, window_lo, PyList_GET_SIZE(frames_.ptr()) > 0, owner,
-                                  !state_override_.defined(), fresh);
+                                  !state_override_.defined(), fresh, context);
     const int64_t n = got.n;
     const int64_t lo = got.lo;
     pos = start + n;
@@ -230,15 +232,17 @@ class FrameRecorder {
     PyList_SET_ITEM(xs.ptr(), 0, py::reinterpret_borrow<py::object>(input).release().ptr());
     PyList_SET_ITEM(xs.ptr(), 1, py::reinterpret_borrow<py::object>(output).release().ptr());
     record_frame(owner, xs, fast_labels_, fast_kinds_, fast_section_, true, true, batch, py::none(),
-                 is_true(owner, kIsTop));
+                 is_true(owner, kIsTop), fast_context_);
     return true;
   }
 
-  // What module_call's frames carry (frames.ONE_IN_ONE_OUT_LABELS / _KINDS, "forward").
-  void set_fast_path(py::object labels, py::object kinds, py::object section) {
+  // What module_call's frames carry (frames.ONE_IN_ONE_OUT_LABELS / _KINDS, "forward"), and
+  // whether their input is context (1) or trips like the output (0).
+  void set_fast_path(py::object labels, py::object kinds, py::object section, int64_t context) {
     fast_labels_ = std::move(labels);
     fast_kinds_ = std::move(kinds);
     fast_section_ = std::move(section);
+    fast_context_ = context;
   }
 
   // The ring after a growth or a move (the Python side owns both tensors).
@@ -292,7 +296,7 @@ class FrameRecorder {
   // the output is read at least once after its last write. Their records are still reusable.
   Recorded record_tensors(const py::list& xs, const py::object& flag, int64_t pos, double headroom,
                           int64_t window_lo, bool has_frames, const py::handle& owner, bool reuse,
-                          bool afresh = false) {
+                          bool afresh = false, int64_t context = 0) {
     const size_t count = xs.size();
     // Small vectors: a frame has a handful of tensors, and this runs once per module call.
     c10::SmallVector<const at::Tensor*, 8> tensors(count);
@@ -305,7 +309,9 @@ class FrameRecorder {
     std::vector<int> slots;  // per record: 0 the main ring, k side ring k
     slots.reserve(count + 1);
     bool routed = false;
+    int64_t fresh_context = 0;  // fresh records that are context: a prefix of `fresh`
     for (size_t i = 0; i < count; ++i) {
+      const bool is_context = static_cast<int64_t>(i) < context;
       PyObject* obj = PyList_GET_ITEM(xs.ptr(), i);
       if (!THPVariable_Check(obj)) throw py::type_error(c10::str("numguard: xs[", i, "] is not a tensor"));
       const at::Tensor& x = THPVariable_Unpack(obj);
@@ -315,7 +321,8 @@ class FrameRecorder {
       if (reuse && !afresh && !impl->is_inference()) {
         auto hit = seen_.find(impl);
         if (hit != seen_.end() && !hit->second.ref.expired() &&
-            hit->second.version == static_cast<int64_t>(impl->version_counter().current_version())) {
+            hit->second.version == static_cast<int64_t>(impl->version_counter().current_version()) &&
+            (is_context || !hit->second.context)) {  // a value passed on is judged as an output
           at = hit->second.position;
           if (at < lo) lo = at;
         }
@@ -324,6 +331,7 @@ class FrameRecorder {
         at = pos + static_cast<int64_t>(fresh.size());
         fresh.push_back(x);
         fresh_index.push_back(i);
+        if (is_context) ++fresh_context;
         if (clean) {
           // A frame with a state of its own (reuse off) keeps everything on the main ring.
           const int slot = reuse ? slot_for(obj, x) : (records_directly(x, device_) ? 0 : -1);
@@ -350,9 +358,9 @@ class FrameRecorder {
       if (pos + n - window > size_) grow_(pos + n - window);  // calls set_ring
       try {
         if (routed) {
-          launch_routed(batch, slots, pos, headroom);
+          launch_routed(batch, slots, pos, headroom, fresh_context);
         } else {
-          launch(batch, pos, headroom);
+          launch(batch, pos, headroom, fresh_context);
         }
       } catch (const std::exception&) {
         if (routed || !clean || !any_needs_values(fresh)) throw;
@@ -360,7 +368,7 @@ class FrameRecorder {
         // sanitize instead of losing the frame.
         std::vector<at::Tensor> again = sanitized(xs, fresh_index, owner);
         std::copy(again.begin(), again.end(), batch.begin());
-        launch(batch, pos, headroom);
+        launch(batch, pos, headroom, fresh_context);
       }
       if (static_cast<int64_t>(seen_.size()) > seen_limit_) seen_.clear();
       for (size_t j = 0; reuse && j < fresh.size(); ++j) {
@@ -370,7 +378,8 @@ class FrameRecorder {
         if (impl->is_inference() || impl->key_set().has(c10::DispatchKey::Python)) continue;
         seen_.insert_or_assign(impl, SeenTensor{c10::weak_intrusive_ptr<c10::TensorImpl>(fresh[j].getIntrusivePtr()),
                                                 static_cast<int64_t>(impl->version_counter().current_version()),
-                                                pos + static_cast<int64_t>(j)});
+                                                pos + static_cast<int64_t>(j),
+                                                static_cast<int64_t>(j) < fresh_context});
       }
     }
     py::tuple positions(at_positions.size());
@@ -417,35 +426,38 @@ class FrameRecorder {
   }
 
  private:
-  void launch(const std::vector<at::Tensor>& batch, int64_t pos, double headroom) {
-    launch_on(ring_, state_override_.defined() ? state_override_ : state_, batch, pos, headroom);
+  void launch(const std::vector<at::Tensor>& batch, int64_t pos, double headroom, int64_t context) {
+    launch_on(ring_, state_override_.defined() ? state_override_ : state_, batch, pos, headroom, context);
   }
 
   static void launch_on(const at::Tensor& ring, const at::Tensor& state, const std::vector<at::Tensor>& batch,
-                        int64_t pos, double headroom) {
+                        int64_t pos, double headroom, int64_t context) {
     if (ring.is_cpu()) {
-      cpu::record_cpu(ring, state, batch, pos, headroom);
+      cpu::record_cpu(ring, state, batch, pos, headroom, context);
       return;
     }
     static const auto op =
         c10::Dispatcher::singleton().findSchemaOrThrow("numguard::record_", "").typed<RecordSignature>();
-    op.call(ring, state, batch, pos, headroom);
+    op.call(ring, state, batch, pos, headroom, context);
   }
 
   // One record_ per run of records bound for the same ring (NOTE: [one ring per device]).
   void launch_routed(const std::vector<at::Tensor>& batch, const std::vector<int>& slots, int64_t pos,
-                     double headroom) {
+                     double headroom, int64_t context) {
     size_t i = 0;
     while (i < batch.size()) {
       size_t j = i + 1;
       while (j < batch.size() && slots[j] == slots[i]) ++j;
       const std::vector<at::Tensor> run(batch.begin() + i, batch.begin() + j);
       const int64_t start = pos + static_cast<int64_t>(i);
+      // The run's share of the frame's leading context records.
+      const int64_t run_context = std::clamp<int64_t>(context - static_cast<int64_t>(i), 0,
+                                                      static_cast<int64_t>(j - i));
       if (slots[i] == 0) {
-        launch(run, start, headroom);
+        launch(run, start, headroom, run_context);
       } else {
         const Side& side = sides_[slots[i] - 1];
-        launch_on(side.ring, side.state, run, start, headroom);
+        launch_on(side.ring, side.state, run, start, headroom, run_context);
         routed_.insert(routed_.end(), {slots[i], start, static_cast<int64_t>(j - i)});
       }
       i = j;
@@ -529,6 +541,7 @@ class FrameRecorder {
   py::object fast_labels_ = py::none();
   py::object fast_kinds_ = py::none();
   py::object fast_section_ = py::none();
+  int64_t fast_context_ = 0;
   py::object sanitize_;
   py::object grow_;
   int64_t seen_limit_;
@@ -560,10 +573,11 @@ void bind_frame_recorder(py::module& module) {
       .def_readwrite("pending_start", &FrameRecorder::pending_start)
       .def("record_frame", &FrameRecorder::record_frame, py::arg("owner"), py::arg("xs"), py::arg("labels"),
            py::arg("kinds"), py::arg("section"), py::arg("hf"), py::arg("weights"), py::arg("batch"),
-           py::arg("state") = py::none(), py::arg("fresh") = false)
+           py::arg("state") = py::none(), py::arg("fresh") = false, py::arg("context") = 0)
       .def("module_call", &FrameRecorder::module_call, py::arg("owner"), py::arg("inspector"), py::arg("args"),
            py::arg("kwargs"), py::arg("output"))
-      .def("set_fast_path", &FrameRecorder::set_fast_path, py::arg("labels"), py::arg("kinds"), py::arg("section"))
+      .def("set_fast_path", &FrameRecorder::set_fast_path, py::arg("labels"), py::arg("kinds"), py::arg("section"),
+           py::arg("context"))
       .def("set_ring", &FrameRecorder::set_ring)
       .def("set_side_factory", &FrameRecorder::set_side_factory)
       .def("set_router", &FrameRecorder::set_router)

@@ -48,7 +48,8 @@ at::Tensor multi_tensor_stats_unsupported(at::TensorList xs) {
   return {};
 }
 
-void record_unsupported(const at::Tensor& ring, const at::Tensor& state, at::TensorList xs, int64_t, double) {
+void record_unsupported(const at::Tensor& ring, const at::Tensor& state, at::TensorList xs, int64_t, double,
+                        int64_t) {
   check_all(xs, "xs");
   check_input(ring, "ring", -1);
   check_input(state, "state", -1);
@@ -56,8 +57,8 @@ void record_unsupported(const at::Tensor& ring, const at::Tensor& state, at::Ten
 }
 
 void record_at_cursor_unsupported(const at::Tensor& ring, const at::Tensor& state, const at::Tensor&, const at::Tensor&,
-                                  at::TensorList xs, int64_t, double) {
-  record_unsupported(ring, state, xs, 0, 0.0);
+                                  at::TensorList xs, int64_t, double, int64_t) {
+  record_unsupported(ring, state, xs, 0, 0.0, 0);
 }
 
 }  // namespace

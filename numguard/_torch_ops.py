@@ -59,19 +59,19 @@ def multi_tensor_stats(xs: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def record_(ring: torch.Tensor, state: torch.Tensor, xs: Sequence[torch.Tensor], position: int,
-            headroom: float, limits: Sequence[float] | None = None) -> None:
+            headroom: float, limits: Sequence[float] | None = None, context: int = 0) -> None:
     """limits: per tensor, the largest finite value of its dtype when its headroom is checked, else
-    0 (numguard.ops.headroom_limits); needed only when headroom > 0."""
+    0 (numguard.ops.headroom_limits); needed only when headroom > 0. context: as numguard.ops.record_."""
     if not xs:
         return
     records = multi_tensor_stats(xs).to(ring.device)
     n = records.shape[0]
     # Built on the device from host ints: a torch.tensor(list) on CUDA would block on its copy.
     positions = torch.arange(position, position + n, device=ring.device, dtype=torch.int64)
-    _record_rows(ring, state, records, positions, headroom, limits)
+    _record_rows(ring, state, records, positions, headroom, limits, context)
 
 
-def _record_rows(ring, state, records, positions, headroom, limits):
+def _record_rows(ring, state, records, positions, headroom, limits, context=0):
     """record_'s step once the records and their positions (a device tensor) are known; returns
     whether the ring was frozen before (a 0-dim bool tensor)."""
     n = records.shape[0]
@@ -83,6 +83,8 @@ def _record_rows(ring, state, records, positions, headroom, limits):
     nonfinite = (records[:, NAN] + records[:, POS_INF] + records[:, NEG_INF]) > 0
     first_trip = torch.where(nonfinite, positions, end).amin() if n else end
     trips_now = nonfinite.any() & ~frozen
+    if context > 0:  # NOTE: [context records]: inputs trip only with a later record
+        trips_now = trips_now & nonfinite[context:].any()
     state[FIRST_TRIP_POSITION] = torch.where(trips_now, first_trip, state[FIRST_TRIP_POSITION])
     state[TRIPPED] = torch.where(trips_now, 1, state[TRIPPED])
     if headroom > 0 and n:
@@ -98,7 +100,7 @@ def _record_rows(ring, state, records, positions, headroom, limits):
 
 def record_at_cursor_(ring: torch.Tensor, state: torch.Tensor, cursor: torch.Tensor, log: torch.Tensor,
                       xs: Sequence[torch.Tensor], slot: int, headroom: float,
-                      limits: Sequence[float] | None = None) -> None:
+                      limits: Sequence[float] | None = None, context: int = 0) -> None:
     """numguard.ops.record_at_cursor_: record_ at cursor[0], then (unless frozen) log the call at
     row cursor[1] % len(log) and advance the cursor; all on the device."""
     if xs:
@@ -108,7 +110,7 @@ def record_at_cursor_(ring: torch.Tensor, state: torch.Tensor, cursor: torch.Ten
     n = records.shape[0]
     start = cursor[CURSOR_POSITION]
     positions = start + torch.arange(n, device=ring.device, dtype=torch.int64)
-    frozen = _record_rows(ring, state, records, positions, headroom, limits)
+    frozen = _record_rows(ring, state, records, positions, headroom, limits, context)
     row = (cursor[CURSOR_CALLS] % log.shape[0]).view(1)
     entry = torch.stack([torch.full((), slot, dtype=torch.int64, device=log.device), start,
                          cursor[CURSOR_BATCH]]).view(1, GRAPH_LOG_WIDTH)

@@ -150,11 +150,11 @@ if _native is not None:
         return xs[0].new_empty((len(xs), NUM_STATS), dtype=torch.float64)
 
     @torch.library.register_fake("numguard::record_")
-    def _record_fake(ring, state, xs, position, headroom):
+    def _record_fake(ring, state, xs, position, headroom, context=0):
         return None
 
     @torch.library.register_fake("numguard::record_at_cursor_")
-    def _record_at_cursor_fake(ring, state, cursor, log, xs, slot, headroom):
+    def _record_at_cursor_fake(ring, state, cursor, log, xs, slot, headroom, context=0):
         return None
 
 
@@ -278,17 +278,20 @@ def reset_state(state: torch.Tensor) -> None:
 
 
 def record_(ring: torch.Tensor, state: torch.Tensor, xs: Sequence[torch.Tensor], position: int,
-            headroom: float = 0.0) -> None:
+            headroom: float = 0.0, context: int = 0) -> None:
     """Record xs into ring[(position + i) % len(ring)] unless the ring is frozen by an earlier trip;
-    trip `state` on NaN/Inf (first offending position kept), flag headroom. No host sync."""
+    trip `state` on NaN/Inf (first offending position kept), flag headroom. The first `context`
+    xs are a call's inputs: their NaN/Inf trips only with a later one's (NOTE: [context records]
+    in csrc/include/numguard/stats_reduce.h). No host sync."""
     xs = list(xs)
     if _native is None:
         check_same_device(xs)
-        _torch_ops.record_(ring, state, xs, position, headroom, headroom_limits(xs) if headroom > 0 else None)
+        _torch_ops.record_(ring, state, xs, position, headroom, headroom_limits(xs) if headroom > 0 else None,
+                           context)
         return
     _check_for_native(xs)
     try:
-        torch.ops.numguard.record_.default(ring, state, xs, position, headroom)
+        torch.ops.numguard.record_.default(ring, state, xs, position, headroom, context)
     except RuntimeError:
         _explain_native_error(xs)
         raise
@@ -335,14 +338,15 @@ def new_graph_cursor(log_rows: int, device=None) -> tuple[torch.Tensor, torch.Te
 
 
 def record_at_cursor_(ring: torch.Tensor, state: torch.Tensor, cursor: torch.Tensor, log: torch.Tensor,
-                      xs: Sequence[torch.Tensor], slot: int, headroom: float = 0.0) -> None:
+                      xs: Sequence[torch.Tensor], slot: int, headroom: float = 0.0, context: int = 0) -> None:
     """record_ at the position cursor[0] holds on the device, for frames recorded inside a compiled
     graph: unless the ring is frozen, log (slot, start, cursor[2]) at log row cursor[1] % len(log)
     and advance the cursor by len(xs) records and one call. Traceable by torch.compile (no Python
-    branch on values); no host sync. `xs` must already be recordable tensors on the ring's device."""
+    branch on values); no host sync. `xs` must already be recordable tensors on the ring's device;
+    `context` as in record_."""
     xs = list(xs)
     if _native is None:
         _torch_ops.record_at_cursor_(ring, state, cursor, log, xs, slot, headroom,
-                                     headroom_limits(xs) if headroom > 0 else None)
+                                     headroom_limits(xs) if headroom > 0 else None, context)
         return
-    torch.ops.numguard.record_at_cursor_.default(ring, state, cursor, log, xs, slot, headroom)
+    torch.ops.numguard.record_at_cursor_.default(ring, state, cursor, log, xs, slot, headroom, context)

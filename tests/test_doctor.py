@@ -16,6 +16,7 @@ import pytest
 
 from numguard.cli import main
 from numguard.doctor import findings, parse_sizes, performance
+from numguard.doctor import report as doctor_report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -406,6 +407,10 @@ def test_parse_sizes():
 
 
 def test_busbw_factors():
+    assert performance.BUSBW_FACTOR("broadcast", 8) == 1.0 and performance.BUSBW_FACTOR("reduce", 4) == 1.0
+    assert performance.BUSBW_FACTOR("all_to_all", 4) == pytest.approx(3 / 4)
+    with pytest.raises(ValueError, match="'gather'"):
+        performance.BUSBW_FACTOR("gather", 4)
     assert performance.BUSBW_FACTOR("all_reduce", 8) == pytest.approx(2 * 7 / 8)
     assert performance.BUSBW_FACTOR("all_gather", 8) == pytest.approx(7 / 8)
     assert performance.BUSBW_FACTOR("reduce_scatter", 4) == pytest.approx(3 / 4)
@@ -458,3 +463,22 @@ def test_kernel_version_parsing():
                       ("6.18.44-fc", False), ("unknown", False)):
         facts = _gpu_facts(1, {0: {"kernel": text}})
         assert [f["code"] for f in findings.from_facts(facts)] == (["old_kernel"] if old else [])
+
+
+def test_nccl_variables_that_differ_across_ranks_are_a_finding_naming_whose_values():
+    facts = _gpu_facts(3, {0: {"env": {"NCCL_IB_DISABLE": "1", "NCCL_DEBUG_FILE": "/tmp/r0"}},
+                           1: {"env": {"NCCL_IB_DISABLE": "0", "NCCL_DEBUG_FILE": "/tmp/r1"}},
+                           2: {"env": {"NCCL_DEBUG_FILE": "/tmp/r2"}}})
+    for f in facts:
+        f["env"]["NCCL_SOCKET_IFNAME"] = "eth0"  # the same everywhere: no finding
+    (found,) = findings.from_facts(facts)
+    assert found["code"] == "mixed_env" and found["severity"] == "warning" and found["ranks"] == [0, 1, 2]
+    assert found["title"] == ("NCCL_IB_DISABLE differs across ranks: NCCL_IB_DISABLE=1 (node: rank 0); "
+                              "NCCL_IB_DISABLE=0 (node: rank 1); unset (node: rank 2)")
+    result = {"world_size": 3, "backend": "nccl", "status": "warning", "missing_ranks": [], "arrived": {},
+              "options": {"timeout": 60}, "failures": [], "facts": facts, "checks": [], "performance": {},
+              "findings": [found]}
+    text = doctor_report.render(result)
+    assert "  environment (every rank): NCCL_SOCKET_IFNAME=eth0" in text
+    assert "  environment differs: NCCL_IB_DISABLE: 1 (rank 0), 0 (rank 1), <unset> (rank 2)" in text
+    assert "NCCL_DEBUG_FILE: /tmp/r0 (rank 0), /tmp/r1 (rank 1), /tmp/r2 (rank 2)" in text

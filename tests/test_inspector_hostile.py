@@ -168,13 +168,50 @@ class Consumer(nn.Module):
         return x.sum(dim=-1)
 
 
+class PassesMaskOn(nn.Module):
+    def forward(self, x, mask):
+        return x * 2, mask
+
+
+def test_a_nonfinite_input_a_module_passes_on_is_judged_as_its_output(backend):
+    """A context record is not reused for an output line: a mask returned as an output trips,
+    on both recorders (the native one and the Python one of the fallback)."""
+    model = nn.Sequential(PassesMaskOn())
+    mask = torch.full((2, 2), -float("inf"))
+    insp = numguard.watch(model[0], **quiet())
+    with pytest.raises(numguard.NonFiniteError) as info:
+        model[0](torch.ones(2, 2), mask)
+    assert info.value.labels == ["input[1]", "output[1]"]
+    insp.close(check=False)
+
+    inner = KwargsModel()  # the mask only taken, never returned: context at every level
+    insp = numguard.watch(inner, **quiet())
+    inner(torch.ones(2, 2), mask)
+    inner(torch.ones(2, 2), mask)
+    assert insp.trips == 0
+    insp.close()
+
+
 @pytest.mark.parametrize("extras", [True, False])
-def test_nan_only_in_a_keyword_input_is_reported(extras):
+def test_nan_only_in_a_keyword_input_the_module_drops_is_context(extras):
+    """A value a module takes and does not pass on (its output finite) is context in watch(): no
+    trip, but its line is in the report of a later trip. The drop-in keeps Transformers' rule."""
     model = KwargsModel()
     insp = numguard.watch(model, **quiet(extras=extras))
-    with pytest.raises(numguard.NonFiniteError):
-        model(torch.ones(2, 4), mask=torch.full((2, 4), NAN))
+    model(torch.ones(2, 4), mask=torch.full((2, 4), NAN))
+    assert insp.trips == 0
+    bad = torch.ones(2, 4)
+    bad[0, 0] = NAN
+    with pytest.raises(numguard.NonFiniteError) as info:
+        model(bad, mask=torch.full((2, 4), NAN))
+    assert info.value.batch_number == 1 and "input[0]" in info.value.labels
+    assert ("kwargs.mask" in str(info.value.report)) is extras
     insp.close(check=False)
+
+    dropin = numguard.DebugUnderflowOverflow(model, **quiet())
+    with pytest.raises(ValueError, match="DebugUnderflowOverflow"):
+        model(torch.ones(2, 4), mask=torch.full((2, 4), NAN))
+    dropin.close(check=False)
 
 
 # --- torch.inference_mode ------------------------------------------------------------------------

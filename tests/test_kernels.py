@@ -212,8 +212,8 @@ def ops_for(backend, device="cpu"):
         return types.SimpleNamespace(tensor_stats=torch.ops.numguard.tensor_stats.default,
                                      multi_tensor_stats=torch.ops.numguard.multi_tensor_stats.default,
                                      record_=torch.ops.numguard.record_.default)
-    def record_(ring, state, xs, position, headroom):
-        _torch_ops.record_(ring, state, xs, position, headroom, numguard.ops.headroom_limits(xs))
+    def record_(ring, state, xs, position, headroom, context=0):
+        _torch_ops.record_(ring, state, xs, position, headroom, numguard.ops.headroom_limits(xs), context)
 
     return types.SimpleNamespace(tensor_stats=_torch_ops.tensor_stats,
                                  multi_tensor_stats=_torch_ops.multi_tensor_stats, record_=record_)
@@ -562,9 +562,9 @@ def _frames(device):
     return [x.to(device) for x in clean], nan.to(device), inf.to(device)
 
 
-def _record(ops, ring, state, xs, position, headroom=0.0):
+def _record(ops, ring, state, xs, position, headroom=0.0, context=0):
     with no_host_sync(ring.device):
-        ops.record_(ring, state, xs, position, headroom)
+        ops.record_(ring, state, xs, position, headroom, context)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -605,6 +605,30 @@ def test_record_freezes_on_trip_and_keeps_first_offender(backend, device):
     _record(ops, ring, state, [b], 19)
     assert torch.equal(ring, frozen)
     assert state.tolist() == [1, 13, 0, -1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_record_context_records_trip_only_with_a_later_one(backend, device):
+    """NOTE: [context records]: the first `context` records (a call's inputs) trip only when a
+    later record of the frame holds NaN/Inf too; the trip then points at the first bad record."""
+    ops = ops_for(backend, device)
+    (a, b), nan, inf = _frames(device)
+    ring, state = numguard.ops.new_ring(8, device)
+    _record(ops, ring, state, [nan, inf, a], 0, context=2)  # bad inputs, finite output: context
+    assert state.tolist() == [0, -1, 0, -1]
+    assert_records_equal(ring[:3], torch.stack([reference_stats(x) for x in (nan, inf, a)]), "context rows")
+    _record(ops, ring, state, [nan, a, b], 3, context=3)  # only inputs: nothing to pass a NaN on
+    assert state.tolist() == [0, -1, 0, -1]
+    _record(ops, ring, state, [a, nan, b, inf], 10, context=2)  # a bad output: trips at the first bad
+    assert state.tolist() == [1, 11, 0, -1]
+    ring, state = numguard.ops.new_ring(8, device)
+    _record(ops, ring, state, [nan, a], 0, context=0)  # context 0: Transformers' rule
+    assert state.tolist() == [1, 0, 0, -1]
+    ring, state = numguard.ops.new_ring(8, device)
+    low = torch.tensor([60000.0], dtype=torch.float16, device=device)
+    _record(ops, ring, state, [low, a], 0, headroom=0.9, context=1)  # headroom counts for inputs too
+    assert state.tolist() == [0, -1, 1, 0]
 
 
 @pytest.mark.parametrize("device", DEVICES)

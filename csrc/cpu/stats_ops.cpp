@@ -232,7 +232,7 @@ at::Tensor multi_tensor_stats_cpu(at::TensorList xs) {
 // (positions position + i) and write them to the ring, unless it was frozen by an earlier trip.
 // Returns whether it was not frozen.
 bool record_frame(const at::Tensor& ring, const at::Tensor& state, const std::vector<Plan>& plans, int64_t position,
-                  double headroom) {
+                  double headroom, int64_t context) {
   auto state_acc = state.accessor<int64_t, 1>();
   if (state_acc[kTripped] != 0) return false;  // frozen: nothing is written, state is final
   const int64_t n = static_cast<int64_t>(plans.size());
@@ -242,7 +242,7 @@ bool record_frame(const at::Tensor& ring, const at::Tensor& state, const std::ve
   for (int64_t i = 0; i < n; ++i) max_values[i] = headroom_limit(plans[i].info.kind);
   int64_t st[kStateSize];
   for (int j = 0; j < kStateSize; ++j) st[j] = state_acc[j];
-  const bool write = update_recording_state(st, records.data(), max_values.data(), n, position, headroom);
+  const bool write = update_recording_state(st, records.data(), max_values.data(), n, position, headroom, context);
   for (int j = 0; j < kStateSize; ++j) state_acc[j] = st[j];
   if (!write) return false;
   auto ring_acc = ring.accessor<double, 2>();
@@ -257,23 +257,24 @@ bool record_frame(const at::Tensor& ring, const at::Tensor& state, const std::ve
 }  // namespace
 
 void record_cpu(const at::Tensor& ring, const at::Tensor& state, at::TensorList xs, int64_t position,
-                double headroom) {
+                double headroom, int64_t context) {
   check_ring_and_state(ring, state, at::kCPU, /*contiguous=*/false);
   check_on_ring_device(xs, ring);
   if (xs.empty()) return;
-  record_frame(ring, state, make_plans(xs, "xs"), position, headroom);
+  record_frame(ring, state, make_plans(xs, "xs"), position, headroom, context);
 }
 
 // record_at_cursor_ (csrc/ops.cpp): the frame starts at the cursor's position; a frame recorded
 // while the ring is frozen leaves cursor and log as they were.
 void record_at_cursor_cpu(const at::Tensor& ring, const at::Tensor& state, const at::Tensor& cursor,
-                          const at::Tensor& log, at::TensorList xs, int64_t slot, double headroom) {
+                          const at::Tensor& log, at::TensorList xs, int64_t slot, double headroom,
+                          int64_t context) {
   check_ring_and_state(ring, state, at::kCPU, /*contiguous=*/false);
   check_cursor_and_log(cursor, log, ring);
   check_on_ring_device(xs, ring);
   const std::vector<Plan> plans = make_plans(xs, "xs");
   int64_t* cur = cursor.mutable_data_ptr<int64_t>();
-  if (!record_frame(ring, state, plans, cur[kCursorPosition], headroom)) return;
+  if (!record_frame(ring, state, plans, cur[kCursorPosition], headroom, context)) return;
   const GraphCall call = claim_graph_call(cur, static_cast<int64_t>(plans.size()));
   log_graph_call(call, cur, log.mutable_data_ptr<int64_t>(), log.size(0), slot);
 }

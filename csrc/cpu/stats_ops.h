@@ -8,7 +8,7 @@ namespace numguard {
 namespace cpu {
 
 void record_cpu(const at::Tensor& ring, const at::Tensor& state, at::TensorList xs, int64_t position,
-                double headroom);
+                double headroom, int64_t context = 0);
 
 }  // namespace cpu
 }  // namespace numguard

@@ -86,32 +86,43 @@ DenseView dense_view(const at::Tensor& input, const char* what, int64_t index, s
   return view;
 }
 
-// Records of xs (all on the current device) into records[first_row + i]; see stats_launch.cuh.
-// `single`: the call is tensor_stats(x), so errors name `x` rather than `xs[i]`.
-void compute_records(at::TensorList xs, double* records, double* max_values, const at::Device& device,
-                     bool single = false) {
-  const int64_t n = static_cast<int64_t>(xs.size());
-  std::vector<at::Tensor> keep_alive;  // contiguous copies, freed stream-ordered after the launches
+// The launch plan of a stats call: each tensor as the kernels read it, its chunking, and the
+// workspace words its per-block partials need.
+struct StatsPlan {
   std::vector<DenseView> views;
-  views.reserve(n);
-  for (int64_t i = 0; i < n; ++i) views.push_back(dense_view(xs[i], single ? "x" : "xs", single ? -1 : i, keep_alive));
+  std::vector<int64_t> chunks, blocks;
+  int64_t total_blocks = 0;
+  std::vector<at::Tensor> keep_alive;  // contiguous copies, freed stream-ordered after the launches
 
+  int64_t workspace_words() const { return total_blocks * kPartialWords; }
+};
+
+// `single`: the call is tensor_stats(x), so errors name `x` rather than `xs[i]`.
+StatsPlan plan_stats(at::TensorList xs, bool single = false) {
+  const int64_t n = static_cast<int64_t>(xs.size());
+  StatsPlan plan;
+  plan.views.reserve(n);
+  for (int64_t i = 0; i < n; ++i) {
+    plan.views.push_back(dense_view(xs[i], single ? "x" : "xs", single ? -1 : i, plan.keep_alive));
+  }
   // Chunking: a large tensor spreads over about one wave of blocks, a small one gets one block.
   const int64_t wave = stats_blocks_per_wave();
-  std::vector<int64_t> chunks(n, 1), blocks(n, 0);
-  int64_t total_blocks = 0;
+  plan.chunks.assign(n, 1);
+  plan.blocks.assign(n, 0);
   for (int64_t i = 0; i < n; ++i) {
-    const device::ChunkPlan plan = device::plan_chunks(views[i].numel, views[i].element_size, wave, kMinChunkBytes);
-    chunks[i] = plan.chunk;
-    blocks[i] = plan.blocks;
-    total_blocks += plan.blocks;
+    const device::ChunkPlan chunking =
+        device::plan_chunks(plan.views[i].numel, plan.views[i].element_size, wave, kMinChunkBytes);
+    plan.chunks[i] = chunking.chunk;
+    plan.blocks[i] = chunking.blocks;
+    plan.total_blocks += chunking.blocks;
   }
-  at::Tensor workspace;
-  if (total_blocks > 0) {
-    workspace = at::empty({total_blocks, kPartialWords}, at::TensorOptions().dtype(at::kLong).device(device));
-  }
-  int64_t* ws = total_blocks > 0 ? workspace.mutable_data_ptr<int64_t>() : nullptr;
+  return plan;
+}
 
+// Launches `plan` on the current stream: partials into `ws` (plan.workspace_words() int64), the
+// record of tensor i into records[i] (and max_values[i] when not null); see stats_launch.cuh.
+void launch_plan(const StatsPlan& plan, int64_t* ws, double* records, double* max_values, const at::Device& device) {
+  const int64_t n = static_cast<int64_t>(plan.views.size());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   int64_t partial_base = 0;
   for (int64_t first = 0; first < n; first += kMaxTensorsPerLaunch) {
@@ -121,14 +132,14 @@ void compute_records(at::TensorList xs, double* records, double* max_values, con
     table.first_record = first;
     int64_t launch_blocks = 0;
     for (int32_t t = 0; t < table.num_tensors; ++t) {
-      const DenseView& v = views[first + t];
+      const DenseView& v = plan.views[first + t];
       table.data[t] = v.data;
       table.numel[t] = v.numel;
-      table.chunk[t] = chunks[first + t];
+      table.chunk[t] = plan.chunks[first + t];
       table.repeat[t] = v.repeat;
       table.kind[t] = v.kind;
       table.block_start[t] = static_cast<int32_t>(launch_blocks);
-      launch_blocks += blocks[first + t];
+      launch_blocks += plan.blocks[first + t];
       TORCH_CHECK(launch_blocks < (int64_t{1} << 31), "numguard: too many CUDA blocks in one launch");
     }
     table.block_start[table.num_tensors] = static_cast<int32_t>(launch_blocks);
@@ -137,6 +148,37 @@ void compute_records(at::TensorList xs, double* records, double* max_values, con
     partial_base += launch_blocks;
   }
 }
+
+// Records of xs (all on `device`, the current one) into records[i], with a workspace of their own.
+void compute_records(at::TensorList xs, double* records, double* max_values, const at::Device& device,
+                     bool single = false) {
+  const StatsPlan plan = plan_stats(xs, single);
+  at::Tensor workspace;
+  if (plan.total_blocks > 0) {
+    workspace = at::empty({plan.workspace_words()}, at::TensorOptions().dtype(at::kLong).device(device));
+  }
+  launch_plan(plan, plan.total_blocks > 0 ? workspace.mutable_data_ptr<int64_t>() : nullptr, records, max_values,
+              device);
+}
+
+// One device buffer for a recording call: the partials' workspace, then n records and n max
+// values (8-byte words all), so a recorded frame costs one allocation, not three.
+struct RecordScratch {
+  at::Tensor buffer;
+  int64_t* workspace = nullptr;
+  double* records = nullptr;
+  double* max_values = nullptr;
+
+  RecordScratch(const StatsPlan& plan, int64_t n, const at::Device& device) {
+    static_assert(sizeof(double) == sizeof(int64_t), "records and partials share 8-byte words");
+    const int64_t rows = std::max<int64_t>(n, 1);
+    buffer = at::empty({plan.workspace_words() + rows * kNumStats + rows},
+                       at::TensorOptions().dtype(at::kLong).device(device));
+    workspace = buffer.mutable_data_ptr<int64_t>();
+    records = reinterpret_cast<double*>(workspace + plan.workspace_words());
+    max_values = records + rows * kNumStats;
+  }
+};
 
 at::Tensor tensor_stats_cuda(const at::Tensor& x) {
   check_input(x, "x", -1);
@@ -171,45 +213,40 @@ void mark_used_on_side_stream(std::initializer_list<const at::Tensor*> tensors, 
 }
 
 void record_cuda(const at::Tensor& ring, const at::Tensor& state, at::TensorList xs, int64_t position,
-                 double headroom) {
+                 double headroom, int64_t context) {
   check_ring_and_state(ring, state, at::kCUDA, /*contiguous=*/true);
   check_on_ring_device(xs, ring);
   if (xs.empty()) return;
   const at::Device device = ring.device();
   const c10::cuda::CUDAGuard guard(device);
   const int64_t n = static_cast<int64_t>(xs.size());
-  const auto options = at::TensorOptions().dtype(at::kDouble).device(device);
-  at::Tensor records = at::empty({n, kNumStats}, options);
-  at::Tensor max_values = at::empty({n}, options);
-  double* records_ptr = records.mutable_data_ptr<double>();
-  double* max_ptr = max_values.mutable_data_ptr<double>();
-  compute_records(xs, records_ptr, max_ptr, device);
+  const StatsPlan plan = plan_stats(xs);
+  RecordScratch scratch(plan, n, device);
+  launch_plan(plan, scratch.workspace, scratch.records, scratch.max_values, device);
   const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(device.index());
   mark_used_on_side_stream({&ring, &state}, stream);
-  launch_record(records_ptr, max_ptr, n, ring.mutable_data_ptr<double>(), ring.size(0),
-                state.mutable_data_ptr<int64_t>(), position, headroom, stream.stream());
+  launch_record(scratch.records, scratch.max_values, n, ring.mutable_data_ptr<double>(), ring.size(0),
+                state.mutable_data_ptr<int64_t>(), position, headroom, context, stream.stream());
 }
 
 // record_at_cursor_ (csrc/ops.cpp): record_cuda with the position read on the device.
 void record_at_cursor_cuda(const at::Tensor& ring, const at::Tensor& state, const at::Tensor& cursor,
-                           const at::Tensor& log, at::TensorList xs, int64_t slot, double headroom) {
+                           const at::Tensor& log, at::TensorList xs, int64_t slot, double headroom,
+                           int64_t context) {
   check_ring_and_state(ring, state, at::kCUDA, /*contiguous=*/true);
   check_cursor_and_log(cursor, log, ring);
   check_on_ring_device(xs, ring);
   const at::Device device = ring.device();
   const c10::cuda::CUDAGuard guard(device);
   const int64_t n = static_cast<int64_t>(xs.size());
-  const auto options = at::TensorOptions().dtype(at::kDouble).device(device);
-  at::Tensor records = at::empty({std::max<int64_t>(n, 1), kNumStats}, options);
-  at::Tensor max_values = at::empty({std::max<int64_t>(n, 1)}, options);
-  double* records_ptr = records.mutable_data_ptr<double>();
-  double* max_ptr = max_values.mutable_data_ptr<double>();
-  if (n > 0) compute_records(xs, records_ptr, max_ptr, device);
+  const StatsPlan plan = plan_stats(xs);
+  RecordScratch scratch(plan, n, device);
+  if (n > 0) launch_plan(plan, scratch.workspace, scratch.records, scratch.max_values, device);
   const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(device.index());
   mark_used_on_side_stream({&ring, &state, &cursor, &log}, stream);
-  launch_record_at_cursor(records_ptr, max_ptr, n, ring.mutable_data_ptr<double>(), ring.size(0),
+  launch_record_at_cursor(scratch.records, scratch.max_values, n, ring.mutable_data_ptr<double>(), ring.size(0),
                           state.mutable_data_ptr<int64_t>(), cursor.mutable_data_ptr<int64_t>(),
-                          log.mutable_data_ptr<int64_t>(), log.size(0), slot, headroom, stream.stream());
+                          log.mutable_data_ptr<int64_t>(), log.size(0), slot, headroom, context, stream.stream());
 }
 
 }  // namespace

@@ -64,22 +64,25 @@ static_assert(Float32Element::kFiniteLimit == kFloat32Format.finite_limit &&
 // Visitors: what a thread does with one element (scalar) or one 16-byte vector.
 
 // NOTE: [vector fast path]
-// For a 16-byte vector the thread first takes the unsigned min and max of its lanes' magnitude bits
-// (packed SIMD for 8- and 16-bit lanes). When min >= min_normal and max < finite_limit, every lane
-// is normal, finite and non-zero, so the vector changes only the running min/max magnitude and no
-// counter: that is all the work done for typical data. Any other vector (a zero, subnormal, Inf or
-// NaN among its lanes) goes lane by lane through the shared FloatStatsAccum::add.
+// For a 16-byte vector the thread first takes the unsigned max of its lanes' magnitude bits, the
+// min of its non-zero lanes' and the count of its zero lanes (packed SIMD for 8- and 16-bit lanes).
+// When that min >= min_normal and max < finite_limit, every lane is zero or normal and finite, so
+// the vector changes only the running min/max magnitude and the zero count: that is all the work
+// done for typical data, ReLU outputs with their many zeros included. Any other vector (a
+// subnormal, Inf or NaN among its lanes) goes lane by lane through the shared FloatStatsAccum::add.
 template <typename E>
 struct FloatVisitor {
   using Storage = typename E::Storage;
   FloatStatsAccum acc;
-  uint64_t fast_min;
+  uint64_t fast_min;  // over the fast path's non-zero lanes
   uint64_t fast_max;
+  int64_t fast_zero;  // the fast path's zero lanes
 
   __device__ __forceinline__ void init() {
     acc.init();
     fast_min = ~uint64_t{0};
     fast_max = 0;
+    fast_zero = 0;
   }
 
   __device__ __forceinline__ void scalar(Storage raw) { acc.add(static_cast<uint64_t>(raw), E::format()); }
@@ -96,11 +99,15 @@ struct FloatVisitor {
   }
 
   __device__ __forceinline__ void vector(const uint4& v) {
-    uint64_t lo, hi;
+    uint64_t lo, hi;  // min magnitude of the non-zero lanes (all ones when none), max magnitude
+    int zeros;
     if constexpr (sizeof(Storage) == 1) {
       const uint32_t m = static_cast<uint32_t>(E::kMagnitudeMask) * 0x01010101u;
       const uint32_t a = v.x & m, b = v.y & m, c = v.z & m, d = v.w & m;
-      uint32_t mn = __vminu4(__vminu4(a, b), __vminu4(c, d));
+      // A zero lane's comparison mask is all ones: or-ed in, it never wins the min.
+      const uint32_t za = __vcmpeq4(a, 0u), zb = __vcmpeq4(b, 0u), zc = __vcmpeq4(c, 0u), zd = __vcmpeq4(d, 0u);
+      zeros = (__popc(za) + __popc(zb) + __popc(zc) + __popc(zd)) / 8;
+      uint32_t mn = __vminu4(__vminu4(a | za, b | zb), __vminu4(c | zc, d | zd));
       uint32_t mx = __vmaxu4(__vmaxu4(a, b), __vmaxu4(c, d));
       mn = __vminu4(mn, mn >> 16);
       mx = __vmaxu4(mx, mx >> 16);
@@ -111,24 +118,32 @@ struct FloatVisitor {
     } else if constexpr (sizeof(Storage) == 2) {
       const uint32_t m = static_cast<uint32_t>(E::kMagnitudeMask) * 0x00010001u;
       const uint32_t a = v.x & m, b = v.y & m, c = v.z & m, d = v.w & m;
-      const uint32_t mn = __vminu2(__vminu2(a, b), __vminu2(c, d));
+      const uint32_t za = __vcmpeq2(a, 0u), zb = __vcmpeq2(b, 0u), zc = __vcmpeq2(c, 0u), zd = __vcmpeq2(d, 0u);
+      zeros = (__popc(za) + __popc(zb) + __popc(zc) + __popc(zd)) / 16;
+      const uint32_t mn = __vminu2(__vminu2(a | za, b | zb), __vminu2(c | zc, d | zd));
       const uint32_t mx = __vmaxu2(__vmaxu2(a, b), __vmaxu2(c, d));
       lo = min(mn & 0xFFFFu, mn >> 16);
       hi = max(mx & 0xFFFFu, mx >> 16);
     } else if constexpr (sizeof(Storage) == 4) {
       const uint32_t m = static_cast<uint32_t>(E::kMagnitudeMask);
       const uint32_t a = v.x & m, b = v.y & m, c = v.z & m, d = v.w & m;
-      lo = min(min(a, b), min(c, d));
+      constexpr uint32_t kNone = ~0u;
+      zeros = (a == 0) + (b == 0) + (c == 0) + (d == 0);
+      lo = min(min(a ? a : kNone, b ? b : kNone), min(c ? c : kNone, d ? d : kNone));
       hi = max(max(a, b), max(c, d));
     } else {
       const uint64_t a = ((static_cast<uint64_t>(v.y) << 32) | v.x) & E::kMagnitudeMask;
       const uint64_t b = ((static_cast<uint64_t>(v.w) << 32) | v.z) & E::kMagnitudeMask;
-      lo = a < b ? a : b;
+      constexpr uint64_t kNone = ~uint64_t{0};
+      zeros = (a == 0) + (b == 0);
+      const uint64_t a_nz = a ? a : kNone, b_nz = b ? b : kNone;
+      lo = a_nz < b_nz ? a_nz : b_nz;
       hi = a < b ? b : a;
     }
     if (lo >= E::kMinNormal && hi < E::kFiniteLimit) {
-      fast_min = lo < fast_min ? lo : fast_min;
+      fast_min = lo < fast_min ? lo : fast_min;  // all-zero vectors leave it (their lo is all ones)
       fast_max = hi > fast_max ? hi : fast_max;
+      fast_zero += zeros;
     } else {
       slow_vector(v);
     }
@@ -136,6 +151,7 @@ struct FloatVisitor {
 
   __device__ __forceinline__ FloatStatsAccum result() {
     if (fast_max != 0) acc.add_normal_range(fast_min, fast_max);
+    acc.add_zeros(fast_zero);
     return acc;
   }
 };

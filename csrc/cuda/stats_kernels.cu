@@ -179,9 +179,11 @@ __device__ __forceinline__ void write_block_rows(const double* records, int64_t 
 
 __global__ void __launch_bounds__(kRecordThreads)
     record_kernel(const double* records, const double* max_values, int64_t n, double* ring, int64_t ring_rows,
-                  int64_t* state, int64_t position, double headroom) {
+                  int64_t* state, int64_t position, double headroom, int64_t context) {
   __shared__ bool write_rows;
-  if (threadIdx.x == 0) write_rows = update_recording_state(state, records, max_values, n, position, headroom);
+  if (threadIdx.x == 0) {
+    write_rows = update_recording_state(state, records, max_values, n, position, headroom, context);
+  }
   __syncthreads();
   if (write_rows) write_block_rows(records, n, ring, ring_rows, position);
 }
@@ -193,7 +195,7 @@ __global__ void __launch_bounds__(kRecordThreads)
 __global__ void __launch_bounds__(kRecordThreads)
     record_at_cursor_kernel(const double* records, const double* max_values, int64_t n, double* ring,
                             int64_t ring_rows, int64_t* state, int64_t* cursor, int64_t* log, int64_t log_rows,
-                            int64_t slot, double headroom) {
+                            int64_t slot, double headroom, int64_t context) {
   __shared__ bool write_rows;
   __shared__ int64_t start;
   if (threadIdx.x == 0) {
@@ -201,7 +203,7 @@ __global__ void __launch_bounds__(kRecordThreads)
     if (write_rows) {
       const GraphCall call = claim_graph_call(cursor, n);
       start = call.start;
-      note_records(state, records, max_values, n, call.start, headroom);
+      note_records(state, records, max_values, n, call.start, headroom, context);
       log_graph_call(call, cursor, log, log_rows, slot);
     }
   }
@@ -244,18 +246,18 @@ void launch_finalize(const TensorTable& table, const int64_t* workspace, double*
 }
 
 void launch_record(const double* records, const double* max_values, int64_t n, double* ring, int64_t ring_rows,
-                   int64_t* state, int64_t position, double headroom, cudaStream_t stream) {
+                   int64_t* state, int64_t position, double headroom, int64_t context, cudaStream_t stream) {
   if (n <= 0) return;
   record_kernel<<<1, kRecordThreads, 0, stream>>>(records, max_values, n, ring, ring_rows, state, position,
-                                                   headroom);
+                                                   headroom, context);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void launch_record_at_cursor(const double* records, const double* max_values, int64_t n, double* ring,
                              int64_t ring_rows, int64_t* state, int64_t* cursor, int64_t* log, int64_t log_rows,
-                             int64_t slot, double headroom, cudaStream_t stream) {
+                             int64_t slot, double headroom, int64_t context, cudaStream_t stream) {
   record_at_cursor_kernel<<<1, kRecordThreads, 0, stream>>>(records, max_values, n, ring, ring_rows, state, cursor,
-                                                             log, log_rows, slot, headroom);
+                                                             log, log_rows, slot, headroom, context);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

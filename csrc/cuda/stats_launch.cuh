@@ -58,17 +58,18 @@ void launch_stats(const TensorTable& table, int64_t* workspace, cudaStream_t str
 void launch_finalize(const TensorTable& table, const int64_t* workspace, double* records, double* max_values,
                      cudaStream_t stream);
 
-// Single-block recording step: update_recording_state over the frame's n records, then (unless the
-// ring was frozen before this call) write record i to ring row (position + i) mod ring_rows.
+// Single-block recording step: update_recording_state over the frame's n records (the first
+// `context` of them context: NOTE: [context records]), then (unless the ring was frozen before
+// this call) write record i to ring row (position + i) mod ring_rows.
 void launch_record(const double* records, const double* max_values, int64_t n, double* ring, int64_t ring_rows,
-                   int64_t* state, int64_t position, double headroom, cudaStream_t stream);
+                   int64_t* state, int64_t position, double headroom, int64_t context, cudaStream_t stream);
 
 // record_at_cursor_'s step: like launch_record, at the position cursor[0] holds on the device;
 // then logs the call and advances the cursor (numguard/graph_record.h). Launched even for n == 0
 // (the call is still logged).
 void launch_record_at_cursor(const double* records, const double* max_values, int64_t n, double* ring,
                              int64_t ring_rows, int64_t* state, int64_t* cursor, int64_t* log, int64_t log_rows,
-                             int64_t slot, double headroom, cudaStream_t stream);
+                             int64_t slot, double headroom, int64_t context, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace numguard

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import statistics
 
-__all__ = ["MIN_KERNEL", "SMALL_SHM_BYTES", "correctness", "failed_step", "from_facts",
+__all__ = ["MIN_KERNEL", "PER_RANK_ENV", "SMALL_SHM_BYTES", "UNSET", "correctness", "env_values", "failed_step", "from_facts",
            "missing_ranks", "performance"]
 
 MIN_KERNEL = (5, 5)
@@ -117,6 +117,37 @@ def _versions(facts):
     return out
 
 
+# Variables that differ per rank by design: a rank's own device list, the doctor's per-rank log.
+PER_RANK_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "NCCL_DEBUG_FILE"})
+UNSET = "<unset>"
+
+
+def env_values(facts):
+    """{variable: {value or UNSET: [ranks]}} of every variable the ranks reported."""
+    names = sorted({k for f in facts for k in f.get("env", {})})
+    return {k: _groups([{"rank": f["rank"], "v": f.get("env", {}).get(k, UNSET)} for f in facts], "v")
+            for k in names}
+
+
+def _mixed_env(facts):
+    """NCCL_* / TORCH_* settings that differ across ranks: ranks then disagree on algorithms,
+    protocols, interfaces or timeouts, which hangs or slows collectives with no error."""
+    out = []
+    for name, groups in env_values(facts).items():
+        if name in PER_RANK_ENV or len(groups) < 2:
+            continue
+        out.append(_finding(
+            "warning", "mixed_env",
+            f"{name} differs across ranks: " + "; ".join(
+                f"{name}={v} ({_where(facts, rs)})" if v != UNSET else f"unset ({_where(facts, rs)})"
+                for v, rs in groups.items()),
+            f"Set {name} the same on every rank (in the launcher's environment, not per node's "
+            "shell profile): NCCL and torch.distributed expect one setting job-wide, and ranks that "
+            "pick different transports, algorithms or timeouts can hang or run at the slowest's pace.",
+            facts, [r for rs in groups.values() for r in rs]))
+    return out
+
+
 def _collisions(facts):
     seen = {}
     for f in facts:
@@ -140,7 +171,7 @@ def _collisions(facts):
 def from_facts(facts):
     """Findings from the gathered facts alone (before any collective is checked)."""
     return (_collisions(facts) + _kernel(facts) + _mixed_devices(facts) + _shm(facts)
-            + _versions(facts))
+            + _versions(facts) + _mixed_env(facts))
 
 
 def correctness(facts, records_by_rank):

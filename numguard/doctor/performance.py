@@ -37,11 +37,26 @@ LATENESS_FLOOR_S = 0.005
 COMPUTE_FLOOR_FRACTION = 0.10
 
 
+# nccl-tests' bus bandwidth factors (doc/PERFORMANCE.md there): busbw = algbw * factor(n), the
+# bandwidth each link carries so that results compare with the hardware's peak whatever n is.
+_BUSBW_FACTORS = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "send_recv": lambda n: 1.0,
+}
+
+
 def BUSBW_FACTOR(op, n):  # noqa: N802 - reads like the formula's name in nccl-tests
-    """nccl-tests' bus bandwidth factor for ``op`` on ``n`` ranks."""
+    """nccl-tests' bus bandwidth factor for ``op`` on ``n`` ranks (0 for one rank: no bus)."""
+    if op not in _BUSBW_FACTORS:
+        raise ValueError(f"numguard doctor: no bus bandwidth factor for {op!r}; known: {sorted(_BUSBW_FACTORS)}")
     if n <= 1:
         return 0.0
-    return 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+    return _BUSBW_FACTORS[op](n)
 
 
 def _poll(ctx, works, deadline, name):

@@ -5,6 +5,7 @@ import json
 import os
 import tempfile
 
+from . import findings
 from .facts import TABLE_COLUMNS
 
 __all__ = ["SCHEMA", "render", "unwritable", "write_json", "write_plot"]
@@ -56,9 +57,18 @@ def render(result):
         lines += ["  " + s for s in _table([h for h, _ in TABLE_COLUMNS],
                                            [[_cell(f, k) for _, k in TABLE_COLUMNS]
                                             for f in result["facts"]])]
-        envs = sorted({f"{k}={v}" for f in result["facts"] for k, v in f["env"].items()})
-        if envs:
-            lines.append("  environment (any rank): " + ", ".join(envs))
+        same, differing = [], []
+        for name, groups in findings.env_values(result["facts"]).items():
+            if len(groups) == 1:
+                same.append(f"{name}={next(iter(groups))}")
+            else:
+                differing.append(f"{name}: " + ", ".join(
+                    f"{v} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, sorted(rs)))})"
+                    for v, rs in groups.items()))
+        if same:
+            lines.append("  environment (every rank): " + ", ".join(same))
+        for line in differing:
+            lines.append("  environment differs: " + line)
     if result["checks"]:
         ok = [c for c in result["checks"] if c["ok"] and not c["skipped"]]
         bad = [c for c in result["checks"] if not c["ok"]]

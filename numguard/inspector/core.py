@@ -129,7 +129,13 @@ class Inspector(ModuleHooks):
         replay: keep each module's last inputs and, after a trip, re-run the first bad module in
             operation mode (numguard.inspector.replay): the report names the operation, or says
             that the replay did not reproduce the NaN/Inf.
+
+    What trips: a NaN/Inf in a module's output (or weights). A NaN/Inf a module takes and does not
+    pass on (an attention mask's -inf, a log(0) it throws away: its outputs are finite) is context,
+    shown in the report but no trip (NOTE: [context records]); the drop-in keeps Transformers' rule.
     """
+
+    _inputs_trip = False  # NOTE: [context records]
 
     def __init__(self, model: torch.nn.Module, max_frames_to_save=21, trace_batch_nums=(),
                  abort_after_batch_num=None, **options):
@@ -162,7 +168,8 @@ class Inspector(ModuleHooks):
         self._registered = []             # weak refs of the modules counted in _watched
         self._created_at = _caller_site()
         self._ring = FrameRing(max(64, 8 * opts.max_frames_to_save), _model_device(model),
-                               on_drop=self._frames_dropped, on_unchecked=self._unchecked_tensor)
+                               on_drop=self._frames_dropped, on_unchecked=self._unchecked_tensor,
+                               inputs_trip=self._inputs_trip)
         self._weights = WeightTable(self._owners, opts.headroom, on_unchecked=self._unchecked_tensor)
         self._reader = FlagReader(self._ring, opts.check, self._warned)
         self._reader.skipped_steps = lambda: getattr(self._backward_watch, "scaler_skipped_steps", 0)

@@ -33,6 +33,7 @@ class DebugUnderflowOverflow(core.Inspector):
 
     prefix = " " * 17
     _batch_offset = 0
+    _inputs_trip = True  # Transformers' rule: a module's non-finite input trips by itself
 
     def __init__(self, model, max_frames_to_save=21, trace_batch_nums=None, abort_after_batch_num=None, *,
                  extras=False, headroom=0.0, **options):

@@ -244,7 +244,8 @@ def _add(value, label, xs, labels, kinds):
 
 
 def flatten_call(args, kwargs, output):
-    """Tensors of a module call and the labels and kinds of every line, in Transformers' order."""
+    """Tensors of a module call, the labels and kinds of every line, in Transformers' order, and
+    how many of the tensors are inputs (they come first: NOTE: [context records])."""
     xs = []
     labels = []
     kinds = []
@@ -261,6 +262,7 @@ def flatten_call(args, kwargs, output):
                 labels.append(lab)
                 kinds.append(NOT_A_TENSOR | EXTRA)
                 _flatten_extra(v, lab, xs, labels, kinds)
+    n_inputs = len(xs)
     if isinstance(output, torch.Tensor):
         xs.append(output)
         labels.append("output")
@@ -275,7 +277,7 @@ def flatten_call(args, kwargs, output):
                 _add(x, lab, xs, labels, kinds)
     else:
         _add(output, "output", xs, labels, kinds)
-    return xs, labels, kinds
+    return xs, labels, kinds, n_inputs
 
 
 def flatten_values(values):

@@ -346,9 +346,11 @@ def record_in_graph(inspector, owner, args, kwargs, output):
         return None
     if not kwargs and len(args) == 1 and isinstance(output, torch.Tensor) and isinstance(args[0], torch.Tensor):
         xs, labels, kinds = [args[0], output], _frames.ONE_IN_ONE_OUT_LABELS, _frames.ONE_IN_ONE_OUT_KINDS
+        n_inputs = 1
     else:
-        xs, labels, kinds = _frames.flatten_call(args, kwargs, output)
+        xs, labels, kinds, n_inputs = _frames.flatten_call(args, kwargs, output)
     ring = inspector._ring
+    context = 0 if ring.inputs_trip else n_inputs  # NOTE: [context records]
     device = ring.device
     flag = owner.flag
     slot = _slot_for(graph.key, owner.name, tuple(labels), tuple(kinds), tuple(x.dtype for x in xs),
@@ -358,7 +360,7 @@ def record_in_graph(inspector, owner, args, kwargs, output):
     if flag is not None:
         # Its weight flag (NaN when one of its weights is non-finite) trips at this frame, as in eager mode.
         xs.append(flag)
-    ops.record_at_cursor_(graph.ring, ring.state, graph.cursor, graph.log, xs, slot, owner.headroom)
+    ops.record_at_cursor_(graph.ring, ring.state, graph.cursor, graph.log, xs, slot, owner.headroom, context)
     return None
 
 

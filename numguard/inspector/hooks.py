@@ -209,13 +209,16 @@ class ModuleHooks:
                 self._begin_batch()
             # The root's and top modules' frames end a check: recorded afresh (NOTE: [fresh frames]).
             fresh = owner.is_top or self._depth == 0
+            # NOTE: [context records] In watch() a module's inputs trip only with a non-finite output.
+            context_inputs = not self._ring.inputs_trip
             if not kwargs and len(args) == 1 and type(output) is _Tensor and type(args[0]) is _Tensor:
                 # Fast path: one positional tensor in, one tensor out (Linear, LayerNorm, Dropout, ...).
                 self._ring.record(owner, [args[0], output], _ONE_IN_ONE_OUT_LABELS, _ONE_IN_ONE_OUT_KINDS,
-                                  "forward", True, True, self._batches_done, None, fresh)
+                                  "forward", True, True, self._batches_done, None, fresh, int(context_inputs))
             else:
-                xs, labels, kinds = _frames.flatten_call(args, kwargs, output)
-                self._ring.record(owner, xs, labels, kinds, "forward", True, True, self._batches_done, None, fresh)
+                xs, labels, kinds, n_inputs = _frames.flatten_call(args, kwargs, output)
+                self._ring.record(owner, xs, labels, kinds, "forward", True, True, self._batches_done, None, fresh,
+                                  n_inputs if context_inputs else 0)
         except Exception as exc:  # numguard's own failure must not kill the job
             self._disable(owner, exc)
         if self._depth == 0 and not owner.is_top:

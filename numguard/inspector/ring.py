@@ -131,7 +131,8 @@ class _PythonRecorder:
     def seen_count(self):
         return len(self._seen)
 
-    def record_frame(self, owner, xs, labels, kinds, section, hf, weights, batch, state=None, fresh=False):
+    def record_frame(self, owner, xs, labels, kinds, section, hf, weights, batch, state=None, fresh=False,
+                     context=0):
         ring = self._ring()
         flag = None
         if weights and owner.flag is not None and owner.flag_batch != batch:
@@ -141,7 +142,7 @@ class _PythonRecorder:
         pos = self.pos
         dtypes, shapes, positions, n, lo = self._record(ring, xs, flag, pos, owner.headroom,
                                                         ring.state if state is None else state, state is None,
-                                                        fresh, (owner, labels, kinds))
+                                                        fresh, (owner, labels, kinds), context)
         self.pos = pos + n
         bstart = None
         if hf:
@@ -154,7 +155,7 @@ class _PythonRecorder:
                                  n, weights and bool(owner.widx), hf, positions, lo))
         ring.frame_starts.append(pos)
 
-    def _record(self, ring, xs, flag, pos, headroom, state, reuse, fresh=False, where=None):
+    def _record(self, ring, xs, flag, pos, headroom, state, reuse, fresh=False, where=None, context=0):
         seen = self._seen if reuse else {}
         lookup = {} if fresh else seen  # NOTE: [fresh frames] (csrc/recorder.cpp)
         dev_index = ring.device_index
@@ -167,6 +168,7 @@ class _PythonRecorder:
         route = reuse and ring.route is not None
         lo = pos
         clean = True
+        fresh_context = 0  # fresh records that are context (NOTE: [context records]): a prefix of `new`
         for i, x in enumerate(xs):
             dtype = x.dtype
             dtypes.append(dtype)
@@ -176,7 +178,8 @@ class _PythonRecorder:
                 shapes.append(())
             hit = lookup.get(id(x))
             # Only tensors with a version counter are ever in `seen` (inference tensors are not).
-            if hit is not None and hit[0]() is x and hit[1] == x._version:
+            # A context record is not reused for an output: a value passed on is judged as one.
+            if hit is not None and hit[0]() is x and hit[1] == x._version and (i < context or not hit[3]):
                 p = hit[2]
                 positions.append(p)
                 if p < lo:
@@ -185,6 +188,8 @@ class _PythonRecorder:
                 positions.append(pos + len(new))
                 new.append(x)
                 new_index.append(i)
+                if i < context:
+                    fresh_context += 1
                 if clean:
                     if route or x.get_device() != dev_index:
                         # NOTE: [one ring per device]; a frame with a state of its own: sanitize.
@@ -214,9 +219,9 @@ class _PythonRecorder:
                 ring._grow(pos + n - window)
             try:
                 if slots is None:
-                    ops.record_(ring.ring, state, new, pos, headroom)
+                    ops.record_(ring.ring, state, new, pos, headroom, fresh_context)
                 else:
-                    self._record_routed(ring, new, slots, pos, headroom)
+                    self._record_routed(ring, new, slots, pos, headroom, fresh_context)
             except Exception:
                 if not clean or slots is not None or not any(
                         x.is_meta or x.is_nested or local_shard(x) is not x for x in recorded):
@@ -224,31 +229,33 @@ class _PythonRecorder:
                 # The quick screen above passes what only the op can reject (meta, nested
                 # tensors, DTensors): record their values through sanitize instead of losing the frame.
                 new[:len(recorded)] = ring.sanitize(recorded, at)
-                ops.record_(ring.ring, state, new, pos, headroom)
+                ops.record_(ring.ring, state, new, pos, headroom, fresh_context)
             if len(seen) > _SEEN_LIMIT:
                 seen.clear()
             try:
                 for i, x in enumerate(recorded if reuse else ()):
                     if type(x) in _PLAIN:  # a subclass is recorded through its parts: never reused
-                        seen[id(x)] = (weakref.ref(x), x._version, pos + i)
+                        seen[id(x)] = (weakref.ref(x), x._version, pos + i, i < fresh_context)
             except (RuntimeError, TypeError):  # inference tensors: no version counter, no reuse
                 pass
         return tuple(dtypes), tuple(shapes), tuple(positions), n, lo
 
-    def _record_routed(self, ring, new, slots, pos, headroom):
-        """One record_ per run of tensors on the same device, into that device's ring."""
+    def _record_routed(self, ring, new, slots, pos, headroom, context=0):
+        """One record_ per run of tensors on the same device, into that device's ring (each run
+        with its share of the leading context records)."""
         slots = slots + [0] * (len(new) - len(slots))  # the weight flag: on the main device
         i = 0
         while i < len(new):
             j = i + 1
             while j < len(new) and slots[j] == slots[i]:
                 j += 1
+            run_context = min(max(context - i, 0), j - i)
             if slots[i]:
                 side = ring.sides[slots[i] - 1]
-                ops.record_(side.ring, side.state, new[i:j], pos + i, headroom)
+                ops.record_(side.ring, side.state, new[i:j], pos + i, headroom, run_context)
                 self._routed.append((slots[i], pos + i, j - i))
             else:
-                ops.record_(ring.ring, ring.state, new[i:j], pos + i, headroom)
+                ops.record_(ring.ring, ring.state, new[i:j], pos + i, headroom, run_context)
             i = j
 
 
@@ -276,11 +283,13 @@ class FrameRing:
     are not report context (a traced batch's frames); `last_check_frames` frames were confirmed
     healthy by the last check. `on_drop(cut)` is told when the oldest frames are forgotten.
 
-    ``record(owner, xs, labels, kinds, section, hf, weights, batch, state=None)`` records a frame's
-    tensors with one launch (tensors unchanged since an earlier frame of the batch are not recorded
-    again) and appends its Frame; no host sync. `state`: a recording state to update instead of
-    the ring's (operation frames: their NaN/Inf does not trip the ring by itself). It is the recorder's own method (the native FrameRecorder
-    when the extension is loaded: no Python frame per watched module call).
+    ``record(owner, xs, labels, kinds, section, hf, weights, batch, state=None, fresh=False,
+    context=0)`` records a frame's tensors with one launch (tensors unchanged since an earlier
+    frame of the batch are not recorded again) and appends its Frame; no host sync. `state`: a
+    recording state to update instead of the ring's (operation frames: their NaN/Inf does not trip
+    the ring by itself). `context`: how many leading xs are the call's inputs, which trip only with
+    a non-finite output (NOTE: [context records]). It is the recorder's own method (the native
+    FrameRecorder when the extension is loaded: no Python frame per watched module call).
 
     ``module_call(owner, inspector, args, kwargs, output)``: the steady-state module hook's fast
     path (one tensor in, one out, inside an open batch): records the frame and returns True, else
@@ -292,8 +301,11 @@ class FrameRing:
     pending_start = _recorder_field("pending_start", "Transformers' 'Starting batch number' lines go before "
                                                      "the next module frame (None: none pending).")
 
-    def __init__(self, size, device, on_drop=None, on_unchecked=None):
+    def __init__(self, size, device, on_drop=None, on_unchecked=None, inputs_trip=False):
         self.on_drop = on_drop
+        # Whether a module's non-finite input trips by itself (Transformers' rule, the drop-in), or
+        # only with a non-finite output (watch(): NOTE: [context records]).
+        self.inputs_trip = inputs_trip
         # on_unchecked(owner, label, tensor): a tensor whose values numguard cannot read (NOTE:
         # [tensor subclasses]) was recorded as empty; owner and label are None when not known.
         self.on_unchecked = on_unchecked
@@ -336,7 +348,8 @@ class FrameRing:
                                    lambda xs, where=None: ring_ref().sanitize(xs, where),
                                    lambda needed: ring_ref()._grow(needed),
                                    _SEEN_LIMIT)
-        native_recorder.set_fast_path(ONE_IN_ONE_OUT_LABELS, ONE_IN_ONE_OUT_KINDS, "forward")
+        native_recorder.set_fast_path(ONE_IN_ONE_OUT_LABELS, ONE_IN_ONE_OUT_KINDS, "forward",
+                                      0 if self.inputs_trip else 1)
         native_recorder.set_side_factory(lambda key: ring_ref()._add_side(key))
         return native_recorder
 

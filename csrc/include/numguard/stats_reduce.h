@@ -186,6 +186,13 @@ struct FloatStatsAccum {
     min_nonzero = block_min < min_nonzero ? block_min : min_nonzero;
   }
 
+  // Fold in `n` zeros counted by a fast path (a zero is finite: the smallest magnitude).
+  NUMGUARD_HD void add_zeros(int64_t n) {
+    if (n <= 0) return;
+    zero += n;
+    min_abs = 0;
+  }
+
   NUMGUARD_HD void merge(const FloatStatsAccum& o) {
     min_abs = o.min_abs < min_abs ? o.min_abs : min_abs;
     max_abs = o.max_abs > max_abs ? o.max_abs : max_abs;
@@ -316,13 +323,27 @@ NUMGUARD_HD void claim_first(int64_t* state, int flag, int position_field, int64
   state[position_field] = position;
 }
 
+// NOTE: [context records]
+// A frame's first `context` records are the call's inputs. In watch() a value a module takes and
+// does not pass on (an attention mask's -inf, a log(0) it throws away) is context, not a trip:
+// its NaN/Inf trips the ring only when a later record of the same frame (an output, the weight
+// flag) holds NaN/Inf too, and the trip then points at the first non-finite record, as before.
+// context 0 (the default; Transformers' rule in the drop-in) trips on any record.
+NUMGUARD_HD bool frame_trips(const double* records, int64_t n, int64_t context) {
+  for (int64_t i = context < 0 ? 0 : context; i < n; ++i) {
+    if (record_is_nonfinite(records + i * kNumStats)) return true;
+  }
+  return false;
+}
+
 // Trips and headroom flags of a frame's records at positions position + i (NOTE: [concurrent
-// recording]); update_recording_state below, after checking the ring is not frozen.
+// recording], [context records]); update_recording_state below, after checking the ring is not frozen.
 NUMGUARD_HD void note_records(int64_t* state, const double* records, const double* max_values, int64_t n,
-                              int64_t position, double headroom) {
+                              int64_t position, double headroom, int64_t context = 0) {
+  const bool trips = context <= 0 || frame_trips(records, n, context);
   for (int64_t i = 0; i < n; ++i) {
     const double* rec = records + i * kNumStats;
-    if (record_is_nonfinite(rec)) claim_first(state, kTripped, kFirstTripPosition, position + i);
+    if (trips && record_is_nonfinite(rec)) claim_first(state, kTripped, kFirstTripPosition, position + i);
     if (headroom > 0.0 && max_values[i] > 0.0 && rec[kAbsMax] > headroom * max_values[i]) {
       claim_first(state, kHeadroomHit, kFirstHeadroomPosition, position + i);
     }
@@ -334,12 +355,12 @@ NUMGUARD_HD void note_records(int64_t* state, const double* records, const doubl
 //   state      int64[kStateSize]
 //   records    [n][kNumStats] finished records of this frame, in order
 //   max_values per record: finfo.max of a low-precision tensor, or 0 when headroom is not checked
-//   write(i)   called for each record to store when the ring is not frozen
+//   context    how many leading records are context (NOTE: [context records])
 // Returns true when the frame's records are to be written (the ring was not tripped before it).
 NUMGUARD_HD bool update_recording_state(int64_t* state, const double* records, const double* max_values,
-                                        int64_t n, int64_t position, double headroom) {
+                                        int64_t n, int64_t position, double headroom, int64_t context = 0) {
   if (state_is_set(state, kTripped)) return false;  // frozen
-  note_records(state, records, max_values, n, position, headroom);
+  note_records(state, records, max_values, n, position, headroom, context);
   return true;
 }
 

@@ -1,0 +1,366 @@
+"""The model zoo: stock architectures, as users run them, under every way of watching.
+
+``torch.nn``'s attention stack (``nn.Transformer``, ``nn.TransformerEncoder/Decoder`` with causal
+and padding masks, ``nn.MultiheadAttention`` and SDPA with float and bool masks) and Transformers
+models built small from their configs (GPT-2, BERT, T5, Llama, Mistral, ViT, Whisper), crossed with
+the modes (``watch``, ``backward=True``, ``ops=True``, ``replay=True``, compiled, the Transformers
+Trainer callback, 2-rank DDP). Two promises each: a healthy run is silent (no trip, no report, no
+numguard warning), and an overflow planted in one named submodule is reported there (on the rank
+that made it). This file is also the DDP rank worker: ``python tests/test_model_zoo.py <arch>``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import numguard  # noqa: E402
+from numguard.errors import HeadroomWarning, InspectorWarning, NonFiniteError, NonFiniteWarning  # noqa: E402
+
+D, HEADS, SEQ, BATCH = 16, 2, 6, 2
+NUMGUARD_WARNINGS = (NonFiniteWarning, HeadroomWarning, InspectorWarning)
+
+
+def causal_mask(n=SEQ):
+    return nn.Transformer.generate_square_subsequent_mask(n)  # float, -inf above the diagonal
+
+
+def padding_mask():
+    pad = torch.zeros(BATCH, SEQ, dtype=torch.bool)
+    pad[1, -2:] = True  # the second sequence is two tokens shorter
+    return pad
+
+
+class Attention(nn.Module):
+    """nn.MultiheadAttention under a projection (MHA's own out_proj is not called as a module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(D, HEADS, batch_first=True)
+        self.proj = nn.Linear(D, D)
+
+    def forward(self, x, attn_mask=None):
+        a, _ = self.attn(x, x, x, attn_mask=attn_mask, need_weights=False)
+        return self.proj(a)
+
+
+class SdpaCore(nn.Module):
+    def forward(self, q, k, v, attn_mask=None):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+
+
+class Sdpa(nn.Module):
+    """Single-head attention through F.scaled_dot_product_attention, the mask a keyword input."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+        self.core = SdpaCore()
+        self.out = nn.Linear(D, D)
+
+    def forward(self, x, attn_mask=None):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.out(self.core(q, k, v, attn_mask=attn_mask))
+
+
+def _torch_arch(build, call, planted):
+    def make():
+        torch.manual_seed(0)
+        model = build()
+        x = torch.randn(BATCH, SEQ, D)
+        return model, (lambda target: call(target, x)), planted
+    return make
+
+
+def _encoder(layers=2):
+    layer = nn.TransformerEncoderLayer(D, HEADS, 2 * D, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+
+
+def _decoder():
+    layer = nn.TransformerDecoderLayer(D, HEADS, 2 * D, dropout=0.0, batch_first=True)
+    return nn.TransformerDecoder(layer, 2)
+
+
+def _transformer():
+    return nn.Transformer(D, HEADS, 1, 1, 2 * D, dropout=0.0, batch_first=True)
+
+
+def _float_mask():
+    return torch.zeros(SEQ, SEQ).masked_fill(torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1), float("-inf"))
+
+
+def _bool_mask():
+    return torch.ones(SEQ, SEQ, dtype=torch.bool).tril()  # SDPA: True takes part
+
+
+TORCH_ARCHS = {
+    "encoder_causal": _torch_arch(_encoder, lambda m, x: m(x, mask=causal_mask(), is_causal=True),
+                                  "layers.1.linear2"),
+    "encoder_bool_causal": _torch_arch(
+        _encoder, lambda m, x: m(x, mask=torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)), "layers.0.linear1"),
+    "encoder_padding": _torch_arch(_encoder, lambda m, x: m(x, src_key_padding_mask=padding_mask()),
+                                   "layers.1.linear1"),
+    "decoder_causal_padding": _torch_arch(
+        _decoder, lambda m, x: m(x, x.flip(1), tgt_mask=causal_mask(), tgt_is_causal=True,
+                                 memory_key_padding_mask=padding_mask()), "layers.1.linear2"),
+    "transformer": _torch_arch(
+        _transformer, lambda m, x: m(x, x.flip(1), tgt_mask=causal_mask(), src_key_padding_mask=padding_mask(),
+                                     memory_key_padding_mask=padding_mask()), "decoder.layers.0.linear2"),
+    "mha_float_mask": _torch_arch(Attention, lambda m, x: m(x, attn_mask=_float_mask()), "proj"),
+    "mha_bool_mask": _torch_arch(Attention, lambda m, x: m(x, attn_mask=~_bool_mask()), "proj"),
+    "sdpa_float_mask": _torch_arch(Sdpa, lambda m, x: m(x, attn_mask=_float_mask()), "out"),
+    "sdpa_bool_mask": _torch_arch(Sdpa, lambda m, x: m(x, attn_mask=_bool_mask()), "out"),
+}
+
+
+def _hf_arch(name):
+    def make():
+        transformers = pytest.importorskip("transformers")
+        transformers.logging.set_verbosity_error()
+        torch.manual_seed(0)
+        ids = torch.randint(3, 64, (BATCH, 8))
+        mask = torch.ones(BATCH, 8, dtype=torch.long)
+        mask[1, -3:] = 0  # padding: the model builds an attention mask with -inf / finfo.min
+        small = dict(vocab_size=64)
+        if name == "gpt2":
+            cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=32, bos_token_id=1,
+                                          eos_token_id=2, **small)
+            model = transformers.GPT2LMHeadModel(cfg)
+            kwargs, planted = dict(input_ids=ids, attention_mask=mask, labels=ids), "transformer.h.1.mlp.c_proj"
+        elif name == "bert":
+            cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                          intermediate_size=64, max_position_embeddings=32, **small)
+            model = transformers.BertForMaskedLM(cfg)
+            kwargs, planted = dict(input_ids=ids, attention_mask=mask, labels=ids), "bert.encoder.layer.1.output.dense"
+        elif name == "t5":
+            cfg = transformers.T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16,
+                                        decoder_start_token_id=0, **small)
+            model = transformers.T5ForConditionalGeneration(cfg)
+            kwargs = dict(input_ids=ids, attention_mask=mask, labels=ids.flip(1))
+            planted = "encoder.block.1.layer.1.DenseReluDense.wo"
+        elif name in ("llama", "mistral"):
+            common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, max_position_embeddings=32, bos_token_id=1, eos_token_id=2,
+                          **small)
+            if name == "llama":
+                model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+            else:
+                model = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=4, **common))
+            kwargs, planted = dict(input_ids=ids, attention_mask=mask, labels=ids), "model.layers.1.mlp.down_proj"
+        elif name == "vit":
+            cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                         intermediate_size=64, image_size=16, patch_size=8, num_labels=3)
+            model = transformers.ViTForImageClassification(cfg)
+            kwargs = dict(pixel_values=torch.randn(BATCH, 3, 16, 16), labels=torch.tensor([0, 2]))
+            planted = "vit.layers.1.mlp.fc2"
+        elif name == "whisper":
+            cfg = transformers.WhisperConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                             decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                             num_mel_bins=8, max_source_positions=16, max_target_positions=16,
+                                             pad_token_id=0, decoder_start_token_id=1, bos_token_id=1,
+                                             eos_token_id=2, **small)
+            model = transformers.WhisperForConditionalGeneration(cfg)
+            kwargs = dict(input_features=torch.randn(BATCH, 8, 32), labels=ids[:, :6])
+            planted = "model.decoder.layers.0.fc2"
+        else:
+            raise KeyError(name)
+        model.train()
+        return model, (lambda target: target(**kwargs)), planted
+    return make
+
+
+HF_ARCHS = {name: _hf_arch(name) for name in ("gpt2", "bert", "t5", "llama", "mistral", "vit", "whisper")}
+ARCHS = {**TORCH_ARCHS, **HF_ARCHS}
+MODES = {
+    "watch": {},
+    "backward": {"backward": True},
+    "ops": {"ops": True},
+    "replay": {"replay": True},
+}
+# Compiling is slow on two CPU cores: a subset of the architectures that covers both families.
+COMPILED = ("encoder_causal", "sdpa_float_mask", "gpt2", "llama")
+
+
+def loss_of(out):
+    """A scalar to call backward on, whatever the model returned."""
+    if hasattr(out, "loss") and out.loss is not None:
+        return out.loss
+    if isinstance(out, tuple):
+        out = out[0]
+    if hasattr(out, "logits"):
+        out = out.logits
+    return out.float().pow(2).mean()
+
+
+class Planted:
+    """An overflow planted inside one submodule's forward (an operation of that forward, so
+    operation mode can name it), off until armed."""
+
+    def __init__(self, model, name):
+        self.name = name
+        self.armed = False
+        module = model.get_submodule(name)
+        forward = module.forward
+
+        def planted_forward(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            # A real float32 overflow (an inf scalar would be a NaN/Inf by intent, which operation
+            # mode does not blame): +-inf wherever the output is not tiny.
+            return out * 1e30 * 1e30 if self.armed else out
+
+        module.forward = planted_forward
+
+
+def _run_steps(model, run, steps, backward):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3) if backward else None
+    for _ in range(steps):
+        out = run(model)
+        if backward:
+            opt.zero_grad()
+            loss_of(out).backward()
+            opt.step()
+
+
+def check_arch(arch, options, compiled=False, steps=2):
+    model, run, planted_name = ARCHS[arch]()
+    planted = Planted(model, planted_name)
+    printed = []
+    backward = bool(options.get("backward"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        insp = numguard.watch(model, report_to=printed.append, **options)
+        if compiled:
+            model.compile()
+        _run_steps(model, run, steps, backward)
+        assert insp.trips == 0 and printed == [], printed[:1]
+        healthy = [w for w in caught if issubclass(w.category, NUMGUARD_WARNINGS)]
+        assert healthy == [], [str(w.message) for w in healthy]
+        planted.armed = True
+        with pytest.raises(NonFiniteError) as info:
+            _run_steps(model, run, 1, backward)
+    insp.close(check=False)
+    err = info.value
+    assert err.module == planted_name, (err.module, str(err)[:300])
+    assert err.batch_number == steps
+    assert planted_name in err.report
+    return err
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_healthy_is_silent_and_a_planted_overflow_is_named(arch, mode):
+    err = check_arch(arch, MODES[mode])
+    if mode == "ops":
+        # operation mode names the operation inside the planted module that made the inf
+        assert f"first non-finite operation: aten::mul in {err.module} " in err.report, err.report[-600:]
+
+
+@pytest.mark.parametrize("arch", COMPILED)
+def test_compiled(arch):
+    check_arch(arch, {})
+
+
+def test_dropin_keeps_transformers_rule_on_a_mask():
+    """The drop-in trips where Transformers' DebugUnderflowOverflow does: on the -inf of a causal
+    mask a module takes (watch() calls that context)."""
+    model, run, _ = ARCHS["encoder_causal"]()
+    debug = numguard.DebugUnderflowOverflow(model, report_to=None)
+    with pytest.raises(ValueError, match="DebugUnderflowOverflow"):
+        run(model)
+    debug.close(check=False)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+def test_transformers_trainer_callback_defaults(arch, tmp_path):
+    """The Trainer callback with its defaults (backward watching on): healthy steps are silent,
+    a planted overflow stops training naming the planted module."""
+    transformers = pytest.importorskip("transformers")
+    from numguard.integrations.transformers import NumguardCallback
+    model, _, planted_name = ARCHS[arch]()
+    torch.manual_seed(0)
+    rows = [{"input_ids": torch.randint(3, 64, (8,)), "labels": torch.randint(3, 64, (8,))} for _ in range(8)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3,
+                                          report_to=[], logging_steps=100, save_strategy="no",
+                                          use_cpu=True, disable_tqdm=True)
+    planted = Planted(model, planted_name)
+    callback = NumguardCallback(report_to=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        transformers.Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback]).train()
+        healthy = [w for w in caught if issubclass(w.category, NUMGUARD_WARNINGS)]
+    assert healthy == [], [str(w.message) for w in healthy]
+    planted.armed = True
+    args.max_steps = 2
+    with pytest.raises(NonFiniteError) as info:
+        transformers.Trainer(model=model, args=args, train_dataset=rows, callbacks=[NumguardCallback(report_to=None)]
+                             ).train()
+    assert info.value.module == planted_name
+
+
+# ---------------------------------------------------------------------------------------------
+# 2-rank DDP (gloo): healthy steps are silent on both ranks; a planted overflow on rank 1 is named
+# by both, with its module.
+
+DDP_ARCHS = ("encoder_causal", "gpt2", "llama")
+DDP_STEPS = 2
+
+
+@pytest.mark.parametrize("arch", DDP_ARCHS)
+def test_ddp_two_ranks(arch):
+    from dist_workers import run_worker_file
+    results = run_worker_file(__file__, arch, 2, 240)
+    for rank, r in enumerate(results):
+        assert r["healthy_trips"] == 0 and r["printed"] == 0 and r["warnings"] == [], r
+        assert r["fault_rank"] == 1 and r["module"] == "module." + r["planted"], r
+        assert r["batch_number"] == DDP_STEPS and r["fault_kind"] == "forward", r
+    assert results[1]["own_module"] == "module." + results[1]["planted"]
+
+
+def _ddp_rank(arch):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dist_workers import finish_rank
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model, run, planted_name = ARCHS[arch]()
+    planted = Planted(model, planted_name)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+
+    def one_step():
+        out = run(ddp)
+        opt.zero_grad()
+        loss_of(out).backward()
+        opt.step()
+
+    printed = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        insp = numguard.watch(ddp, backward=True, report_to=printed.append)
+        for _ in range(DDP_STEPS):
+            one_step()
+        result = {"healthy_trips": insp.trips, "printed": len(printed), "planted": planted_name,
+                  "warnings": [str(w.message) for w in caught if issubclass(w.category, NUMGUARD_WARNINGS)]}
+        planted.armed = rank == 1
+        try:
+            one_step()
+            result["raised"] = False
+        except NonFiniteError as exc:
+            result.update(raised=True, module=exc.module, fault_rank=exc.fault_rank, fault_kind=exc.fault_kind,
+                          batch_number=exc.batch_number, own_module=exc.own_module)
+    insp.close(check=False)
+    finish_rank(result)
+
+
+if __name__ == "__main__":
+    _ddp_rank(sys.argv[1])
