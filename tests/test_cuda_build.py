@@ -118,6 +118,14 @@ inline unsigned __vminu2(unsigned a, unsigned b) { return lanewise(a, b, 16, tru
 inline unsigned __vmaxu2(unsigned a, unsigned b) { return lanewise(a, b, 16, false); }
 inline unsigned __vminu4(unsigned a, unsigned b) { return lanewise(a, b, 8, true); }
 inline unsigned __vmaxu4(unsigned a, unsigned b) { return lanewise(a, b, 8, false); }
+inline unsigned lanewise_eq(unsigned a, unsigned b, int bits) {
+  unsigned out = 0, mask = (1u << bits) - 1;
+  for (int s = 0; s < 32; s += bits) out |= (((a >> s) & mask) == ((b >> s) & mask) ? mask : 0u) << s;
+  return out;
+}
+inline unsigned __vcmpeq2(unsigned a, unsigned b) { return lanewise_eq(a, b, 16); }
+inline unsigned __vcmpeq4(unsigned a, unsigned b) { return lanewise_eq(a, b, 8); }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
 
 #include "stats_device.cuh"
 
@@ -155,6 +163,8 @@ Storage float_value(int pattern, const FloatFormat& f) {
   const uint64_t normal = f.min_normal + rng() % (f.finite_limit - f.min_normal);
   if (pattern == 0) return static_cast<Storage>(sign | normal);
   if (pattern == 2) return static_cast<Storage>(rng());
+  if (pattern == 3) return static_cast<Storage>(rng() % 2 ? sign : normal);  // ReLU-like: half +-0
+  if (pattern == 4) return static_cast<Storage>(rng() % 64 ? 0 : normal);    // almost all zeros
   switch (rng() % 16) {  // pattern 1: mostly normal, some of every special value
     case 0: return static_cast<Storage>(sign);                                         // +-0
     case 1: return static_cast<Storage>(sign | (1 + rng() % (f.min_normal - 1)));      // subnormal
@@ -172,8 +182,8 @@ template <class Visitor, class Accum, class Storage, class Fill, class RefAdd>
 void run(const char* name, Fill fill, RefAdd ref_add) {
   std::vector<uint4> buffer(70001 * sizeof(Storage) / 16 + 8);
   unsigned char* base = reinterpret_cast<unsigned char*>(buffer.data());
-  const char* names[] = {"normal", "mixed", "random-bits"};
-  for (int pattern = 0; pattern < 3; ++pattern) {
+  const char* names[] = {"normal", "mixed", "random-bits", "half-zeros", "mostly-zeros"};
+  for (int pattern = 0; pattern < 5; ++pattern) {
     for (int64_t n : kSizes) {
       for (int offset = 0; offset < static_cast<int>(16 / sizeof(Storage)); ++offset) {
         Storage* p = reinterpret_cast<Storage*>(base + offset * sizeof(Storage));
