@@ -14,6 +14,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -101,6 +102,28 @@ py::tuple shape_of(const at::Tensor& x) {
   return out;
 }
 
+// The fields of numguard.inspector.frames.Frame, in the order record_frame builds its tuples: a
+// Frame that gained, lost or reordered a field fails here, when the recorder is made, instead of
+// filling wrong fields at the first frame.
+constexpr const char* kFrameFields[] = {"owner", "batch", "start", "labels", "kinds", "dtypes", "shapes",
+                                        "section", "batch_start", "n_records", "with_weights", "hf",
+                                        "positions", "lowest"};
+constexpr Py_ssize_t kFrameFieldCount = sizeof(kFrameFields) / sizeof(kFrameFields[0]);
+
+void check_frame_fields(const py::object& frame_type) {
+  std::vector<std::string> fields;
+  if (py::hasattr(frame_type, "_fields")) {
+    for (const py::handle& f : py::tuple(frame_type.attr("_fields"))) fields.push_back(py::str(f));
+  }
+  std::string expected;
+  for (const char* f : kFrameFields) expected += std::string(expected.empty() ? "" : ", ") + f;
+  std::string got;
+  for (const std::string& f : fields) got += (got.empty() ? "" : ", ") + f;
+  TORCH_CHECK(got == expected, "numguard: the native frame recorder builds Frame(", expected,
+              ") but numguard.inspector.frames.Frame has (", got,
+              "); rebuild the extension from the same source as the Python package");
+}
+
 // What recording a frame's tensors gives the Frame (see FrameRecorder::record).
 struct Recorded {
   py::tuple dtypes, shapes, positions;
@@ -121,6 +144,7 @@ class FrameRecorder {
     TORCH_CHECK(PyType_Check(frame_type_.ptr()) && PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(frame_type_.ptr()),
                                                                      &PyTuple_Type),
                 "numguard: FrameRecorder needs a tuple type for its frames");
+    check_frame_fields(frame_type_);
     set_ring(std::move(ring), std::move(state));
   }
 
@@ -188,6 +212,7 @@ class FrameRecorder {
                          batch_start.ptr(), py::int_(n).release().ptr(), py::bool_(with_weights).release().ptr(),
                          py::bool_(hf).release().ptr(), got.positions.ptr(), py::int_(lo).release().ptr()};
     constexpr Py_ssize_t kFields = sizeof(items) / sizeof(items[0]);
+    static_assert(kFields == kFrameFieldCount, "one item per field of kFrameFields");
     // Owned references for the borrowed ones; the released ones are already owned.
     for (Py_ssize_t i : {0, 2, 3, 4, 5, 6, 7, 8, 12}) Py_INCREF(items[i]);
     auto* type = reinterpret_cast<PyTypeObject*>(frame_type_.ptr());
@@ -209,9 +234,10 @@ class FrameRecorder {
 
   // The steady-state module hook (numguard.inspector.hooks): one positional tensor in, one tensor
   // out, no keyword arguments, inside an open batch of the root's forward. Records the frame and
-  // returns true; anything else returns false and the Python hook handles the call. Reads the
-  // inspector's `_closed`, `_batch_open`, `_depth` and `_batches_done` (never writes them).
-  bool module_call(const py::handle& owner, const py::handle& inspector, const py::handle& args,
+  // returns true; anything else returns false and the Python hook handles the call. `batch` is
+  // the inspector's hooks.BatchState: its public `closed`, `open`, `depth` and `done` are read,
+  // never written.
+  bool module_call(const py::handle& owner, const py::handle& batch, const py::handle& args,
                    const py::handle& kwargs, const py::handle& output) {
     if (fast_labels_.is_none()) return false;
     if (kwargs.ptr() != Py_None && (!PyDict_Check(kwargs.ptr()) || PyDict_GET_SIZE(kwargs.ptr()) != 0)) return false;
@@ -219,19 +245,19 @@ class FrameRecorder {
     PyObject* input = PyTuple_GET_ITEM(args.ptr(), 0);
     auto* tensor_type = reinterpret_cast<PyTypeObject*>(THPVariableClass);
     if (Py_TYPE(input) != tensor_type || Py_TYPE(output.ptr()) != tensor_type) return false;
-    static const py::handle kClosed = PyUnicode_InternFromString("_closed");
-    static const py::handle kBatchOpen = PyUnicode_InternFromString("_batch_open");
-    static const py::handle kDepth = PyUnicode_InternFromString("_depth");
-    static const py::handle kBatchesDone = PyUnicode_InternFromString("_batches_done");
+    static const py::handle kClosed = PyUnicode_InternFromString("closed");
+    static const py::handle kBatchOpen = PyUnicode_InternFromString("open");
+    static const py::handle kDepth = PyUnicode_InternFromString("depth");
+    static const py::handle kBatchesDone = PyUnicode_InternFromString("done");
     static const py::handle kOff = PyUnicode_InternFromString("off");
     static const py::handle kIsTop = PyUnicode_InternFromString("is_top");
-    if (is_true(owner, kOff) || is_true(inspector, kClosed) || !is_true(inspector, kBatchOpen)) return false;
-    if (inspector.attr(kDepth).cast<int64_t>() <= 0) return false;  // a call outside the root's forward
-    const int64_t batch = inspector.attr(kBatchesDone).cast<int64_t>();
+    if (is_true(owner, kOff) || is_true(batch, kClosed) || !is_true(batch, kBatchOpen)) return false;
+    if (batch.attr(kDepth).cast<int64_t>() <= 0) return false;  // a call outside the root's forward
+    const int64_t batch_number = batch.attr(kBatchesDone).cast<int64_t>();
     py::list xs(2);
     PyList_SET_ITEM(xs.ptr(), 0, py::reinterpret_borrow<py::object>(input).release().ptr());
     PyList_SET_ITEM(xs.ptr(), 1, py::reinterpret_borrow<py::object>(output).release().ptr());
-    record_frame(owner, xs, fast_labels_, fast_kinds_, fast_section_, true, true, batch, py::none(),
+    record_frame(owner, xs, fast_labels_, fast_kinds_, fast_section_, true, true, batch_number, py::none(),
                  is_true(owner, kIsTop), fast_context_);
     return true;
   }
@@ -574,7 +600,7 @@ void bind_frame_recorder(py::module& module) {
       .def("record_frame", &FrameRecorder::record_frame, py::arg("owner"), py::arg("xs"), py::arg("labels"),
            py::arg("kinds"), py::arg("section"), py::arg("hf"), py::arg("weights"), py::arg("batch"),
            py::arg("state") = py::none(), py::arg("fresh") = false, py::arg("context") = 0)
-      .def("module_call", &FrameRecorder::module_call, py::arg("owner"), py::arg("inspector"), py::arg("args"),
+      .def("module_call", &FrameRecorder::module_call, py::arg("owner"), py::arg("batch"), py::arg("args"),
            py::arg("kwargs"), py::arg("output"))
       .def("set_fast_path", &FrameRecorder::set_fast_path, py::arg("labels"), py::arg("kinds"), py::arg("section"),
            py::arg("context"))

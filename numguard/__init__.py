@@ -9,10 +9,11 @@ from .errors import NonFiniteError
 from .inspector import DebugUnderflowOverflow, Inspector, detect_overflow, watch
 from . import dump  # noqa: E402  (numguard.dump.load / render_file for dump files)
 from .memory import find_executable_batch_size, is_out_of_memory  # noqa: E402
+from .patches import patched  # noqa: E402  (what numguard has changed in this process now)
 
 __all__ = ["STAT_FIELDS", "backend", "multi_tensor_stats", "record_", "tensor_stats",
            "watch", "Inspector", "DebugUnderflowOverflow", "detect_overflow", "NonFiniteError",
-           "find_executable_batch_size", "is_out_of_memory"]
+           "find_executable_batch_size", "is_out_of_memory", "patched"]
 __version__ = "0.1.0"
 
 

@@ -144,6 +144,11 @@ def _on_torch_imported():
                           RuntimeWarning, stacklevel=2)
 
 
+# What AutoWatcher changes in the process (numguard.patches targets).
+_GLOBAL_HOOK = "torch.nn.modules.module.register_module_forward_pre_hook (NUMGUARD=1)"
+_COMPILE = "torch.nn.Module.compile"
+
+
 class AutoWatcher:
     """Watches every root module the script calls (a module called while no watched module runs).
 
@@ -166,8 +171,11 @@ class AutoWatcher:
         import torch
         from torch.nn.modules.module import register_module_forward_pre_hook
 
+        from . import patches
+
         self._is_compiling = torch.compiler.is_compiling
-        self.handle = register_module_forward_pre_hook(self._global_pre_hook)
+        self.handle = patches.add_hook(register_module_forward_pre_hook, self._global_pre_hook,
+                                       target=_GLOBAL_HOOK, why="NUMGUARD=1: watch every root module the script runs")
         # A model compiled in place runs its whole call, global hooks included, inside the compiled
         # frame, where the hook above cannot watch anything: watch such a model before it compiles.
         self._original_compile = torch.nn.Module.compile
@@ -178,17 +186,18 @@ class AutoWatcher:
             return watcher._original_compile(module, *args, **kwargs)
 
         compile.__doc__ = self._original_compile.__doc__
-        torch.nn.Module.compile = compile
+        patches.replace(torch.nn.Module, "compile", compile, target=_COMPILE,
+                        why="NUMGUARD=1: watch a model compiled in place before it compiles")
 
     def close(self):
         """Remove the global hook and close every inspector this watcher opened."""
+        from . import patches
+
         if self.handle is not None:
-            self.handle.remove()
+            patches.restore(self.handle)
             self.handle = None
         if self._original_compile is not None:
-            import torch
-
-            torch.nn.Module.compile = self._original_compile
+            patches.restore(_COMPILE)
             self._original_compile = None
         for _, inspector in self.inspectors:
             inspector.close()

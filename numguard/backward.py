@@ -40,6 +40,7 @@ import weakref
 
 import torch
 
+from . import patches as _patches
 from .inspector import graph as _graph
 from .inspector.frames import local_shard
 
@@ -54,9 +55,6 @@ _INPUT_LABELS = tuple(f"grad_input[{i}]" for i in range(16))
 # order, because a check in a distributed job is a collective.
 _watchers = []  # weak references
 _lock = threading.Lock()
-_optimizer_hook = None
-_original_scaler_step = None
-_original_autograd_backward = None   # torch.autograd.backward, wrapped while a watcher records operations
 _steps_taken = 0  # optimizer steps that actually ran (the pre-hook fired), process-wide
 
 
@@ -352,7 +350,8 @@ def _scaler_step(scaler, optimizer, *args, **kwargs):
     for watcher in _live_watchers():  # the loss scale of the gradients seen (precision advice)
         if watcher.last_scaler is None or watcher.last_scaler() is not scaler:
             watcher.last_scaler = weakref.ref(scaler)
-    result = _original_scaler_step(scaler, optimizer, *args, **kwargs)
+    # The original stays on the replacement after a restore: a reference kept elsewhere still works.
+    result = _scaler_step.__numguard_original__(scaler, optimizer, *args, **kwargs)
     if _steps_taken == before and scaler.is_enabled():
         for watcher in _live_watchers():
             watcher.on_scaler_skip(scaler, optimizer)
@@ -368,7 +367,7 @@ def _autograd_backward(*args, **kwargs):
         if not watcher.closed and getattr(inspector, "ops", False) and inspector.backward_ops_start():
             entered.append(inspector)
     try:
-        return _original_autograd_backward(*args, **kwargs)
+        return _autograd_backward.__numguard_original__(*args, **kwargs)
     finally:
         for inspector in reversed(entered):
             inspector.backward_ops_stop()
@@ -378,34 +377,30 @@ def _live_watchers():
     return [watcher for watcher in (ref() for ref in list(_watchers)) if watcher is not None]
 
 
+_BACKWARD = "torch.autograd.backward"
+_SCALER_STEP = "torch.amp.GradScaler.step"
+_OPTIMIZER_HOOK = "torch.optim optimizer step pre-hook"
+
+
 def _register(watcher):
-    global _optimizer_hook, _original_scaler_step, _original_autograd_backward
     with _lock:
         _watchers.append(weakref.ref(watcher))
-        if getattr(watcher.inspector, "ops", False) and _original_autograd_backward is None:
-            _original_autograd_backward = torch.autograd.backward
-            torch.autograd.backward = _autograd_backward
-        if _optimizer_hook is None:
-            from torch.optim.optimizer import register_optimizer_step_pre_hook
+        if getattr(watcher.inspector, "ops", False):
+            _patches.replace(torch.autograd, "backward", _autograd_backward, target=_BACKWARD,
+                             why="watch(ops=True, backward=True): record the backward's operations")
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-            _optimizer_hook = register_optimizer_step_pre_hook(_optimizer_pre_hook)
+        _patches.add_hook(register_optimizer_step_pre_hook, _optimizer_pre_hook, target=_OPTIMIZER_HOOK,
+                          why="watch(backward=True): check the gradients before the optimizer writes a weight")
         scaler_class = getattr(getattr(torch, "amp", None), "GradScaler", None)
-        if scaler_class is not None and _original_scaler_step is None:
-            _original_scaler_step = scaler_class.step
-            scaler_class.step = _scaler_step
+        if scaler_class is not None:
+            _patches.replace(scaler_class, "step", _scaler_step, target=_SCALER_STEP,
+                             why="watch(backward=True): count the steps GradScaler skips for inf/NaN gradients")
 
 
 def _unregister(watcher):
-    global _optimizer_hook, _original_scaler_step, _original_autograd_backward
     with _lock:
         _watchers[:] = [ref for ref in _watchers if ref() is not None and ref() is not watcher]
         if not _watchers:
-            if _optimizer_hook is not None:
-                _optimizer_hook.remove()
-                _optimizer_hook = None
-            if _original_scaler_step is not None:
-                torch.amp.GradScaler.step = _original_scaler_step
-                _original_scaler_step = None
-            if _original_autograd_backward is not None:
-                torch.autograd.backward = _original_autograd_backward
-                _original_autograd_backward = None
+            for target in (_OPTIMIZER_HOOK, _SCALER_STEP, _BACKWARD):
+                _patches.restore(target)

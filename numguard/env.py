@@ -28,16 +28,18 @@ import operator
 import os
 import re
 import sys
+import textwrap
 import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
 __all__ = ["BatchSet", "EnvironmentSettingError", "MAX_BATCH_NUMBER", "MAX_DIST_TIMEOUT_S",
            "MAX_FRAMES_LIMIT", "OptionError", "STDOUT", "UNSET", "VARIABLES", "WATCH_DEFAULTS",
-           "WATCH_VALIDATORS", "Variable", "backend_choice", "cpu_isa_choice", "dist_settings_from_env",
-           "dist_timeout_argument", "enabled", "log_level_argument", "log_level_from_env",
-           "markdown_table", "parse_batch_list", "read", "resolve_watch_options", "settings_from_env",
-           "validate", "validate_watch_options", "variable"]
+           "WATCH_OPTIONS", "WATCH_VALIDATORS", "Variable", "WatchOption", "backend_choice",
+           "cpu_isa_choice", "dist_settings_from_env", "dist_timeout_argument", "enabled",
+           "log_level_argument", "log_level_from_env", "markdown_table", "options_doc",
+           "options_markdown_table", "parse_batch_list", "read", "resolve_watch_options",
+           "settings_from_env", "validate", "validate_watch_options", "variable"]
 
 # Bounds, each with the reason the error message gives.
 MAX_FRAMES_LIMIT = 1_000_000
@@ -387,158 +389,6 @@ def _path(text):
     return text
 
 
-_SWITCH = "0 or 1"
-_FRAMES = _whole(1, MAX_FRAMES_LIMIT, _MAX_FRAMES_WHY)
-_BATCH_MIN0 = _whole(0, MAX_BATCH_NUMBER, _MAX_BATCH_WHY)
-_BATCH_MIN1 = _whole(1, MAX_BATCH_NUMBER, _MAX_BATCH_WHY)
-CPU_ISA_CHOICES = ("avx512", "avx2", "baseline")   # csrc/cpu/dispatch.cpp's names
-BACKEND_CHOICES = ("auto", "native", "torch")
-
-VARIABLES = (
-    Variable("NUMGUARD", "`0`/unset: off, nothing imported; `1`: on", _SWITCH, _switch, False),
-    Variable("NUMGUARD_MAX_FRAMES", f"frames kept in the ring (default 21, at most {MAX_FRAMES_LIMIT})",
-             _FRAMES.accepted, _FRAMES, 21, "max_frames_to_save"),
-    Variable("NUMGUARD_TRACE_BATCHES", "batches to trace, e.g. `1,3,10-12`", BATCH_TEXT_ACCEPTED,
-             _batches, BatchSet(), "trace_batch_nums"),
-    Variable("NUMGUARD_ABORT_AFTER", "stop after this batch", _BATCH_MIN0.accepted, _BATCH_MIN0, None,
-             "abort_after_batch_num"),
-    Variable("NUMGUARD_BACKWARD", "`0`/`1`: also watch gradients", _SWITCH, _switch, False, "backward"),
-    Variable("NUMGUARD_OPS",
-             "`0`/`1`: record every aten operation of the forward, and of the backward with "
-             "`NUMGUARD_BACKWARD=1` (slower; names the first bad operation)",
-             _SWITCH, _switch, False, "ops"),
-    Variable("NUMGUARD_CHECK", "`sync` (default) or `async`", "sync or async (any case)",
-             _choice("sync", "async"), "sync", "check"),
-    Variable("NUMGUARD_CHECK_EVERY", "check every N-th batch (default 1)", _BATCH_MIN1.accepted,
-             _BATCH_MIN1, 1, "check_every"),
-    Variable("NUMGUARD_ON_TRIP", "`raise` (default), `warn`, `dump`", "raise, warn or dump (any case)",
-             _choice("raise", "warn", "dump"), "raise", "on_trip"),
-    Variable("NUMGUARD_DUMP_DIR", "where `dump` writes its JSON files", "a folder path", _path, None,
-             "dump_dir"),
-    Variable("NUMGUARD_DIST_CHECK",
-             "`0`/`1`: check shapes and dtypes before every `torch.distributed` collective", _SWITCH,
-             _switch, False),
-    Variable("NUMGUARD_DIST_TIMEOUT",
-             "seconds before a check names the ranks that never arrived (default 60, at most 86400)",
-             f"a decimal number of seconds {_TIMEOUT_WHY}", _seconds, 60.0),
-    Variable("NUMGUARD_LOG_LEVEL", "level of numguard's loggers (`DEBUG` to `CRITICAL`, or 0 to 50)",
-             _LOG_LEVEL_ACCEPTED, _log_level, None),
-    Variable("NUMGUARD_BACKEND",
-             "`auto` (default), `native` (fail if the kernels cannot load) or `torch` (fallback)",
-             "auto, native or torch (any case)", _choice(*BACKEND_CHOICES), "auto"),
-    Variable("NUMGUARD_CPU_ISA",
-             "highest instruction set the CPU kernels use: `avx512`, `avx2` or `baseline` "
-             "(default: the best the CPU has)",
-             "avx512, avx2 or baseline (any case; the C++ kernels read it the same way)",
-             _choice(*CPU_ISA_CHOICES), None),
-    Variable("NUMGUARD_REPLAY",
-             "`0`/`1`: keep each module's last inputs and, after a trip, re-run the first bad module "
-             "in operation mode to name the operation",
-             _SWITCH, _switch, False, "replay"),
-    # --- cross-rank numerics (numguard.distributed.replicas) ---
-    Variable("NUMGUARD_REPLICA_CHECK",
-             "every N steps, check that the data-parallel replicas of the parameters and their "
-             "gradients are bitwise identical on every rank (default 0: off)",
-             _BATCH_MIN0.accepted, _BATCH_MIN0, 0, "replicas"),
-)
-_BY_NAME = {v.name: v for v in VARIABLES}
-
-
-def _raw(environ, var):
-    """The text to parse, or None when the variable is unset or blank."""
-    value = environ.get(var.name)
-    if not var.strip:  # the C++ reader takes only "" as unset
-        return value or None
-    if value is None or not value.strip():
-        return None
-    return value.strip()
-
-
-def variable(name):
-    """The :class:`Variable` called ``name`` (KeyError for a name numguard does not read)."""
-    return _BY_NAME[name]
-
-
-def read(name, environ=None):
-    """The value of variable ``name`` (its default when unset or blank).
-
-    Raises EnvironmentSettingError naming the variable, the value and the accepted values."""
-    environ = os.environ if environ is None else environ
-    var = _BY_NAME[name]
-    text = _raw(environ, var)
-    if text is None:
-        return var.default
-    try:
-        return var.parse(text)
-    except _Invalid as exc:
-        raise EnvironmentSettingError(name, environ[name], exc.accepted or var.accepted) from None
-
-
-def _is_set(environ, name):
-    return _raw(environ, _BY_NAME[name]) is not None
-
-
-def enabled(environ=None):
-    """True when ``NUMGUARD`` is 1; False when it is unset, empty or 0."""
-    return read("NUMGUARD", environ)
-
-
-def settings_from_env(environ=None):
-    """The watch() keyword arguments the ``NUMGUARD_*`` variables set (only those that are set).
-
-    >>> settings_from_env({"NUMGUARD_MAX_FRAMES": "5", "NUMGUARD_TRACE_BATCHES": "1,3-4"})
-    {'max_frames_to_save': 5, 'trace_batch_nums': BatchSet.parse('1,3-4')}
-    """
-    environ = os.environ if environ is None else environ
-    return {v.option: read(v.name, environ) for v in VARIABLES
-            if v.option is not None and _is_set(environ, v.name)}
-
-
-def log_level_from_env(environ=None):
-    """The level ``NUMGUARD_LOG_LEVEL`` sets for numguard's loggers (a ``logging`` int), or None."""
-    return read("NUMGUARD_LOG_LEVEL", environ)
-
-
-def dist_settings_from_env(environ=None):
-    """``{"dist_check": bool, "dist_timeout": seconds or None (unset)}`` from NUMGUARD_DIST_*."""
-    environ = os.environ if environ is None else environ
-    timeout = read("NUMGUARD_DIST_TIMEOUT", environ) if _is_set(environ, "NUMGUARD_DIST_TIMEOUT") else None
-    return {"dist_check": read("NUMGUARD_DIST_CHECK", environ), "dist_timeout": timeout}
-
-
-def backend_choice(environ=None):
-    """``NUMGUARD_BACKEND``: "auto" (default), "native" or "torch"."""
-    return read("NUMGUARD_BACKEND", environ)
-
-
-def cpu_isa_choice(environ=None):
-    """``NUMGUARD_CPU_ISA``: "avx512", "avx2", "baseline", or None (unset: the best available)."""
-    return read("NUMGUARD_CPU_ISA", environ)
-
-
-def validate(environ=None):
-    """Parse every variable once, so that an invalid one fails before any work. Returns
-    ``{name: value}`` for every variable (defaults for the unset ones)."""
-    environ = os.environ if environ is None else environ
-    return {v.name: read(v.name, environ) for v in VARIABLES}
-
-
-def parse_batch_list(text, name="NUMGUARD_TRACE_BATCHES"):
-    """``"1,3,10-12"`` -> ``BatchSet`` {1, 3, 10, 11, 12}; an invalid text raises
-    EnvironmentSettingError naming ``name``."""
-    try:
-        return _batches(text)
-    except _Invalid as exc:
-        raise EnvironmentSettingError(name, text, exc.accepted) from None
-
-
-def markdown_table():
-    """README.md's table of the variables (the README holds exactly this text)."""
-    rows = ["| variable | meaning |", "|---|---|"]
-    rows += [f"| `{v.name}` | {v.meaning} |" for v in VARIABLES]
-    return "\n".join(rows) + "\n"
-
-
 # ------------------------------------------------------------------------------------------------
 # Python arguments
 
@@ -649,44 +499,276 @@ def _replicas(value):
                     also=": check the replicas every N steps, or 0 to turn the check off")
 
 
-# The one copy of watch()'s defaults (the inspector imports them). Read-only.
-WATCH_DEFAULTS = types.MappingProxyType({
-    "max_frames_to_save": 21,
-    "trace_batch_nums": BatchSet(),
-    "abort_after_batch_num": None,
-    "backward": False,
-    "check": "sync",
-    "check_every": 1,
-    "on_trip": "raise",
-    "dump_dir": None,
-    "headroom": 0.5,
-    "report_to": STDOUT,
-    "extras": True,
-    "scaler_skips": "count",
-    "ops": False,
-    "replay": False,
-    "replicas": 0,
-})
+@dataclass(frozen=True)
+class WatchOption:
+    """One watch() option, declared once: its name, default, check, meaning and variable. The
+    defaults (:data:`WATCH_DEFAULTS`), the checks (:data:`WATCH_VALIDATORS`), the fields of
+    ``numguard.inspector.options.WatchOptions``, the Inspector's docstring, the variables' defaults
+    and README.md's option table (:func:`options_markdown_table`) all come from these rows.
 
-# option -> validator(value) -> normalized value; raises OptionError.
-WATCH_VALIDATORS = types.MappingProxyType({
-    "max_frames_to_save": _max_frames,
-    "trace_batch_nums": _trace_batches,
-    "abort_after_batch_num": _abort_after,
-    "backward": _flag("backward"),
-    "check": _one_of("check", ("sync", "async")),
-    "check_every": _check_every,
-    "on_trip": _one_of("on_trip", ("raise", "warn", "dump")),
-    "dump_dir": _dump_dir,
-    "headroom": _headroom,
-    "report_to": _report_to,
-    "extras": _flag("extras"),
-    "scaler_skips": _one_of("scaler_skips", ("count", "trip")),
-    "ops": _flag("ops"),
-    "replay": _flag("replay"),
-    "replicas": _replicas,
-})
-assert WATCH_VALIDATORS.keys() == WATCH_DEFAULTS.keys()
+    Attributes:
+        name: the keyword argument.
+        default: its value when neither the argument nor its variable is given.
+        check: value -> normalized value; raises OptionError naming the option.
+        doc: what it does (markdown; one paragraph).
+        variable: the ``NUMGUARD_*`` variable that sets it, or None.
+    """
+
+    name: str
+    default: Any
+    check: Callable[[Any], Any]
+    doc: str
+    variable: str = None
+
+
+WATCH_OPTIONS = (
+    WatchOption("max_frames_to_save", 21, _max_frames,
+                "frames shown in a report (the last ones, ending with the first frame that holds a "
+                "non-finite value)", "NUMGUARD_MAX_FRAMES"),
+    WatchOption("trace_batch_nums", BatchSet(), _trace_batches,
+                "batches whose every frame is printed, in Transformers' trace format",
+                "NUMGUARD_TRACE_BATCHES"),
+    WatchOption("abort_after_batch_num", None, _abort_after,
+                "raise `numguard.errors.AbortAfterBatch` (a ValueError) when this batch has finished",
+                "NUMGUARD_ABORT_AFTER"),
+    WatchOption("backward", False, _flag("backward"),
+                "also watch gradients (numguard.backward)", "NUMGUARD_BACKWARD"),
+    WatchOption("check", "sync", _one_of("check", ("sync", "async")),
+                "`\"sync\"` (read the trip flag at each checked batch end: one tiny device->host copy) "
+                "or `\"async\"` (copy it to pinned memory without waiting and read it at the next "
+                "check: healthy batches never wait; a trip is reported one check late)", "NUMGUARD_CHECK"),
+    WatchOption("check_every", 1, _check_every,
+                "check every N-th batch (records are kept for the batches in between)",
+                "NUMGUARD_CHECK_EVERY"),
+    WatchOption("on_trip", "raise", _one_of("on_trip", ("raise", "warn", "dump")),
+                "`\"raise\"` (numguard.NonFiniteError), `\"warn\"` (NonFiniteWarning, training goes "
+                "on) or `\"dump\"` (write a JSON report per rank into `dump_dir`, warn, go on)",
+                "NUMGUARD_ON_TRIP"),
+    WatchOption("dump_dir", None, _dump_dir,
+                "where `on_trip=\"dump\"` writes (None: the current directory)", "NUMGUARD_DUMP_DIR"),
+    WatchOption("headroom", 0.5, _headroom,
+                "warn once per module when a float16/bfloat16/float8 tensor's abs max passes this "
+                "fraction of the dtype's largest finite value (0 turns it off)"),
+    WatchOption("report_to", STDOUT, _report_to,
+                "where reports and traces are printed: a file object, a callable taking the text, "
+                "or None for nowhere (default: sys.stdout at the time of printing)"),
+    WatchOption("extras", True, _flag("extras"),
+                "also show what Transformers does not (keyword inputs, contents of dict / list / "
+                "dataclass outputs, deeper nesting) on lines of their own"),
+    WatchOption("scaler_skips", "count", _one_of("scaler_skips", ("count", "trip")),
+                "with backward=True, a step that torch.amp.GradScaler skips for inf/NaN gradients is "
+                "`\"count\"`ed (not a trip) or a `\"trip\"` (numguard.backward)"),
+    WatchOption("ops", False, _flag("ops"),
+                "also record every aten operation the forward runs (numguard.inspector.operations; "
+                "slower): a trip names the first operation that made a NaN/Inf and its call site; "
+                "with backward=True, the backward's operations too", "NUMGUARD_OPS"),
+    WatchOption("replay", False, _flag("replay"),
+                "keep each module's last inputs and, after a trip, re-run the first bad module in "
+                "operation mode (numguard.inspector.replay): the report names the operation, or says "
+                "that the replay did not reproduce the NaN/Inf", "NUMGUARD_REPLAY"),
+    WatchOption("replicas", 0, _replicas,
+                "every N steps, check that the data-parallel replicas of the parameters and their "
+                "gradients are bitwise identical on every rank (numguard.distributed.replicas; 0: off)",
+                "NUMGUARD_REPLICA_CHECK"),
+)
+_OPTIONS = {o.name: o for o in WATCH_OPTIONS}
+
+#: watch()'s defaults, read-only (from :data:`WATCH_OPTIONS`).
+WATCH_DEFAULTS = types.MappingProxyType({o.name: o.default for o in WATCH_OPTIONS})
+#: option -> check(value) -> normalized value; raises OptionError (from :data:`WATCH_OPTIONS`).
+WATCH_VALIDATORS = types.MappingProxyType({o.name: o.check for o in WATCH_OPTIONS})
+
+
+def _shown(default):
+    """A default as the docs write it."""
+    if default is STDOUT:
+        return "sys.stdout"
+    if isinstance(default, BatchSet) and not default:
+        return "[]"
+    return repr(default)
+
+
+def options_doc(indent=8):
+    """The ``Args:`` entries of the options, as a docstring holds them (the Inspector's)."""
+    out = []
+    for o in WATCH_OPTIONS:
+        text = f"{o.name}: {o.doc.replace('`', '')}. Default {_shown(o.default)}" + (
+            f" (or {o.variable})." if o.variable else ".")
+        out.append(textwrap.fill(text, 100, initial_indent=" " * indent,
+                                 subsequent_indent=" " * (indent + 4)))
+    return "\n".join(out)
+
+
+def options_markdown_table():
+    """README.md's table of watch()'s options (the README holds exactly this text)."""
+    rows = ["| option | default | variable | meaning |", "|---|---|---|---|"]
+    for o in WATCH_OPTIONS:
+        variable = f"`{o.variable}`" if o.variable else ""
+        rows.append(f"| `{o.name}` | `{_shown(o.default)}` | {variable} | {o.doc} |")
+    return "\n".join(rows) + "\n"
+
+
+_SWITCH = "0 or 1"
+_FRAMES = _whole(1, MAX_FRAMES_LIMIT, _MAX_FRAMES_WHY)
+_BATCH_MIN0 = _whole(0, MAX_BATCH_NUMBER, _MAX_BATCH_WHY)
+_BATCH_MIN1 = _whole(1, MAX_BATCH_NUMBER, _MAX_BATCH_WHY)
+CPU_ISA_CHOICES = ("avx512", "avx2", "baseline")   # csrc/cpu/dispatch.cpp's names
+BACKEND_CHOICES = ("auto", "native", "torch")
+
+_OPTION_OF_VARIABLE = {o.variable: o for o in WATCH_OPTIONS if o.variable}
+
+
+def _setting(name, meaning, accepted, parse, default=None, strip=True):
+    """A Variable row; one that sets a watch() option takes that option's default and name
+    (its row in WATCH_OPTIONS), never a copy of them."""
+    option = _OPTION_OF_VARIABLE.get(name)
+    if option is not None:
+        return Variable(name, meaning, accepted, parse, option.default, option.name, strip)
+    return Variable(name, meaning, accepted, parse, default, None, strip)
+
+
+VARIABLES = (
+    _setting("NUMGUARD", "`0`/unset: off, nothing imported; `1`: on", _SWITCH, _switch, False),
+    _setting("NUMGUARD_MAX_FRAMES", f"frames kept in the ring (default {WATCH_DEFAULTS['max_frames_to_save']}, "
+             f"at most {MAX_FRAMES_LIMIT})", _FRAMES.accepted, _FRAMES),
+    _setting("NUMGUARD_TRACE_BATCHES", "batches to trace, e.g. `1,3,10-12`", BATCH_TEXT_ACCEPTED, _batches),
+    _setting("NUMGUARD_ABORT_AFTER", "stop after this batch", _BATCH_MIN0.accepted, _BATCH_MIN0),
+    _setting("NUMGUARD_BACKWARD", "`0`/`1`: also watch gradients", _SWITCH, _switch),
+    _setting("NUMGUARD_OPS",
+             "`0`/`1`: record every aten operation of the forward, and of the backward with "
+             "`NUMGUARD_BACKWARD=1` (slower; names the first bad operation)", _SWITCH, _switch),
+    _setting("NUMGUARD_CHECK", "`sync` (default) or `async`", "sync or async (any case)",
+             _choice("sync", "async")),
+    _setting("NUMGUARD_CHECK_EVERY", f"check every N-th batch (default {WATCH_DEFAULTS['check_every']})",
+             _BATCH_MIN1.accepted, _BATCH_MIN1),
+    _setting("NUMGUARD_ON_TRIP", "`raise` (default), `warn`, `dump`", "raise, warn or dump (any case)",
+             _choice("raise", "warn", "dump")),
+    _setting("NUMGUARD_DUMP_DIR", "where `dump` writes its JSON files", "a folder path", _path),
+    _setting("NUMGUARD_DIST_CHECK",
+             "`0`/`1`: check shapes and dtypes before every `torch.distributed` collective", _SWITCH,
+             _switch, False),
+    _setting("NUMGUARD_DIST_TIMEOUT",
+             "seconds before a check names the ranks that never arrived (default 60, at most 86400)",
+             f"a decimal number of seconds {_TIMEOUT_WHY}", _seconds, 60.0),
+    _setting("NUMGUARD_LOG_LEVEL", "level of numguard's loggers (`DEBUG` to `CRITICAL`, or 0 to 50)",
+             _LOG_LEVEL_ACCEPTED, _log_level, None),
+    _setting("NUMGUARD_BACKEND",
+             "`auto` (default), `native` (fail if the kernels cannot load) or `torch` (fallback)",
+             "auto, native or torch (any case)", _choice(*BACKEND_CHOICES), "auto"),
+    _setting("NUMGUARD_CPU_ISA",
+             "highest instruction set the CPU kernels use: `avx512`, `avx2` or `baseline` "
+             "(default: the best the CPU has)",
+             "avx512, avx2 or baseline (any case; the C++ kernels read it the same way)",
+             _choice(*CPU_ISA_CHOICES), None),
+    _setting("NUMGUARD_REPLAY",
+             "`0`/`1`: keep each module's last inputs and, after a trip, re-run the first bad module "
+             "in operation mode to name the operation", _SWITCH, _switch),
+    # --- cross-rank numerics (numguard.distributed.replicas) ---
+    _setting("NUMGUARD_REPLICA_CHECK",
+             "every N steps, check that the data-parallel replicas of the parameters and their "
+             f"gradients are bitwise identical on every rank (default {WATCH_DEFAULTS['replicas']}: off)",
+             _BATCH_MIN0.accepted, _BATCH_MIN0),
+)
+assert {v.option for v in VARIABLES if v.option} == {o.name for o in _OPTION_OF_VARIABLE.values()}, \
+    "an option names a variable that has no row in VARIABLES"
+_BY_NAME = {v.name: v for v in VARIABLES}
+
+
+def _raw(environ, var):
+    """The text to parse, or None when the variable is unset or blank."""
+    value = environ.get(var.name)
+    if not var.strip:  # the C++ reader takes only "" as unset
+        return value or None
+    if value is None or not value.strip():
+        return None
+    return value.strip()
+
+
+def variable(name):
+    """The :class:`Variable` called ``name`` (KeyError for a name numguard does not read)."""
+    return _BY_NAME[name]
+
+
+def read(name, environ=None):
+    """The value of variable ``name`` (its default when unset or blank).
+
+    Raises EnvironmentSettingError naming the variable, the value and the accepted values."""
+    environ = os.environ if environ is None else environ
+    var = _BY_NAME[name]
+    text = _raw(environ, var)
+    if text is None:
+        return var.default
+    try:
+        return var.parse(text)
+    except _Invalid as exc:
+        raise EnvironmentSettingError(name, environ[name], exc.accepted or var.accepted) from None
+
+
+def _is_set(environ, name):
+    return _raw(environ, _BY_NAME[name]) is not None
+
+
+def enabled(environ=None):
+    """True when ``NUMGUARD`` is 1; False when it is unset, empty or 0."""
+    return read("NUMGUARD", environ)
+
+
+def settings_from_env(environ=None):
+    """The watch() keyword arguments the ``NUMGUARD_*`` variables set (only those that are set).
+
+    >>> settings_from_env({"NUMGUARD_MAX_FRAMES": "5", "NUMGUARD_TRACE_BATCHES": "1,3-4"})
+    {'max_frames_to_save': 5, 'trace_batch_nums': BatchSet.parse('1,3-4')}
+    """
+    environ = os.environ if environ is None else environ
+    return {v.option: read(v.name, environ) for v in VARIABLES
+            if v.option is not None and _is_set(environ, v.name)}
+
+
+def log_level_from_env(environ=None):
+    """The level ``NUMGUARD_LOG_LEVEL`` sets for numguard's loggers (a ``logging`` int), or None."""
+    return read("NUMGUARD_LOG_LEVEL", environ)
+
+
+def dist_settings_from_env(environ=None):
+    """``{"dist_check": bool, "dist_timeout": seconds or None (unset)}`` from NUMGUARD_DIST_*."""
+    environ = os.environ if environ is None else environ
+    timeout = read("NUMGUARD_DIST_TIMEOUT", environ) if _is_set(environ, "NUMGUARD_DIST_TIMEOUT") else None
+    return {"dist_check": read("NUMGUARD_DIST_CHECK", environ), "dist_timeout": timeout}
+
+
+def backend_choice(environ=None):
+    """``NUMGUARD_BACKEND``: "auto" (default), "native" or "torch"."""
+    return read("NUMGUARD_BACKEND", environ)
+
+
+def cpu_isa_choice(environ=None):
+    """``NUMGUARD_CPU_ISA``: "avx512", "avx2", "baseline", or None (unset: the best available)."""
+    return read("NUMGUARD_CPU_ISA", environ)
+
+
+def validate(environ=None):
+    """Parse every variable once, so that an invalid one fails before any work. Returns
+    ``{name: value}`` for every variable (defaults for the unset ones)."""
+    environ = os.environ if environ is None else environ
+    return {v.name: read(v.name, environ) for v in VARIABLES}
+
+
+def parse_batch_list(text, name="NUMGUARD_TRACE_BATCHES"):
+    """``"1,3,10-12"`` -> ``BatchSet`` {1, 3, 10, 11, 12}; an invalid text raises
+    EnvironmentSettingError naming ``name``."""
+    try:
+        return _batches(text)
+    except _Invalid as exc:
+        raise EnvironmentSettingError(name, text, exc.accepted) from None
+
+
+def markdown_table():
+    """README.md's table of the variables (the README holds exactly this text)."""
+    rows = ["| variable | meaning |", "|---|---|"]
+    rows += [f"| `{v.name}` | {v.meaning} |" for v in VARIABLES]
+    return "\n".join(rows) + "\n"
+
+
 
 
 def validate_watch_options(options):

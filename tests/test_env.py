@@ -1,6 +1,7 @@
 """NUMGUARD_* variables: the one table, parsing, validation, and how they combine with watch()
 arguments. Hostile values per variable: test_env_hostile.py; watch() arguments:
 test_env_watch_options.py."""
+import dataclasses
 import logging
 import math
 import os
@@ -290,3 +291,31 @@ def test_distributed_reads_the_same_table(monkeypatch):
     for bad in (-5, 51, True, 1.5, "LOUD", "-5"):
         with pytest.raises(env.OptionError, match=r"^log_level=.* is not valid: use DEBUG"):
             dist_env.parse_log_level(bad)
+
+
+def test_readme_option_table_is_the_option_table():
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    assert env.options_markdown_table() in readme, (
+        "README.md's option table differs from numguard.env.WATCH_OPTIONS; paste "
+        "numguard.env.options_markdown_table() into README.md")
+
+
+def test_every_option_is_declared_once_and_everything_derives_from_its_row():
+    import inspect
+
+    from numguard.inspector.core import Inspector
+    from numguard.inspector.options import WatchOptions
+    names = [o.name for o in env.WATCH_OPTIONS]
+    assert len(set(names)) == len(names)
+    assert list(env.WATCH_DEFAULTS) == names == list(env.WATCH_VALIDATORS)
+    assert [f.name for f in dataclasses.fields(WatchOptions)] == names
+    for o in env.WATCH_OPTIONS:
+        assert env.WATCH_DEFAULTS[o.name] is o.default and env.WATCH_VALIDATORS[o.name] is o.check
+        assert f"        {o.name}: " in Inspector.__doc__
+        if o.variable:  # the variable sets this option and defaults to the option's default
+            var = env.variable(o.variable)
+            assert var.option == o.name and var.default is o.default
+    signature = inspect.signature(Inspector.__init__).parameters
+    assert signature["max_frames_to_save"].default is env.WATCH_DEFAULTS["max_frames_to_save"]
+    assert {v.option for v in env.VARIABLES if v.option} == {o.name for o in env.WATCH_OPTIONS if o.variable}

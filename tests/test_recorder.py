@@ -229,3 +229,19 @@ def test_the_native_parameter_walk_follows_every_change_of_the_parameters():
             model(x.double())
         assert info.value.module == "0"
     assert steady.shape[0] == 4 and weights_module.WeightTable is type(table)
+
+
+@pytest.mark.skipif(numguard.backend() != "native", reason="the native recorder is not loaded")
+def test_native_recorder_checks_the_frame_fields_it_builds_when_it_is_made():
+    """The C++ recorder builds Frame tuples by position: a Frame whose fields differ from what it
+    builds is refused when the recorder is made, naming both field lists."""
+    import collections
+
+    from numguard import ops
+    from numguard.inspector.frames import Frame
+    native = ops.native_module()
+    ring, state = ops.new_ring(4, "cpu")
+    native.FrameRecorder(ring, state, [], [], Frame, lambda xs, where=None: xs, lambda n: None, 10)
+    Renamed = collections.namedtuple("Renamed", [f if f != "lowest" else "oldest" for f in Frame._fields])
+    with pytest.raises(RuntimeError, match=r"builds Frame\(owner, batch, .*lowest\) but .* has \(.*oldest\)"):
+        native.FrameRecorder(ring, state, [], [], Renamed, lambda xs, where=None: xs, lambda n: None, 10)

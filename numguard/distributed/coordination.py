@@ -28,7 +28,6 @@ import contextlib
 import functools
 import os
 import struct
-import sys
 import threading
 import time
 import warnings
@@ -38,56 +37,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as _c10d
 
+from .. import patches as _patches
+from .. import process as _process
 from .. import schema
 from ._env import dist_timeout
 from .errors import DistributedOperationException, DistributedTimeoutError, DistributedWarning
 from .rendezvous import Rendezvous
 
-_NUMGUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-
-
-def is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def rank(group=None) -> int:
-    """This process's rank in ``group`` (default group), or 0 when torch.distributed is not
-    initialized."""
-    return dist.get_rank(group) if is_initialized() else 0
-
-
-def world_size(group=None) -> int:
-    """Number of ranks in ``group`` (default group), or 1 when torch.distributed is not
-    initialized."""
-    return dist.get_world_size(group) if is_initialized() else 1
-
-
-def _internal(filename: str) -> bool:
-    return filename.startswith(_NUMGUARD_DIR) or filename.startswith(_TORCH_DIR)
-
-
-def call_site() -> str:
-    """``file:line`` of the first frame outside numguard and torch (a trip exchange runs inside
-    torch's module-call machinery: the user's line is the one that called the model)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        fname = frame.f_code.co_filename
-        if not _internal(fname):
-            return f"{fname}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "<unknown>"
-
-
-def _user_stacklevel() -> int:
-    """``stacklevel`` for a ``warnings.warn`` made by the caller of this function's caller that
-    points at the first frame outside numguard and torch."""
-    frame = sys._getframe(2)
-    level = 2
-    while frame is not None and _internal(frame.f_code.co_filename):
-        frame = frame.f_back
-        level += 1
-    return level
+# One copy of each (numguard.process), named here as the distributed code has always called them.
+is_initialized = _process.is_distributed
+rank = _process.rank
+world_size = _process.world_size
+call_site = _process.call_site
+_user_stacklevel = _process.user_stacklevel
 
 
 def collective_device(group=None) -> torch.device:
@@ -371,9 +333,11 @@ def _install_lifecycle() -> None:
         if original is None or hasattr(original, "__numguard_original__"):
             return
         wrapped = _releasing(original)
-        for namespace in (dist, _c10d):
+        for namespace, where in ((dist, "torch.distributed"), (_c10d, "torch.distributed.distributed_c10d")):
             if getattr(namespace, "destroy_process_group", None) is original:
-                setattr(namespace, "destroy_process_group", wrapped)
+                _patches.replace(namespace, "destroy_process_group", wrapped, calls=original,
+                                 target=f"{where}.destroy_process_group",
+                                 why="numguard.distributed: release numguard's own group before the user's teardown")
 
 
 @contextlib.contextmanager

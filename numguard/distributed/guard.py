@@ -51,6 +51,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from .. import patches as _patches
 from ._env import dist_timeout
 from .shapes import TensorSpec, check_shapes
 
@@ -346,7 +347,6 @@ class CollectiveGuard:
     def __init__(self, timeout):
         self.timeout = timeout
         self.active = True
-        self._originals: dict = {}
         self._wrappers: dict = {}
         self._undo: list = []  # frameworks' container operations (NOTE: [container operations])
 
@@ -357,9 +357,9 @@ class CollectiveGuard:
                 continue
             original = getattr(original, "__numguard_original__", original)
             wrapper = _wrap(self, name, original, spec, group_index, details)
-            self._originals[name] = original
             self._wrappers[name] = wrapper
-            setattr(dist, name, wrapper)
+            _patches.replace(dist, name, wrapper, target=f"torch.distributed.{name}", calls=original,
+                             why="guard_collectives(): check shapes and dtypes across ranks first")
 
     @property
     def names(self) -> list[str]:
@@ -374,9 +374,8 @@ class CollectiveGuard:
             if not self.active:
                 return
             self.active = False
-            for name, wrapper in self._wrappers.items():
-                if getattr(dist, name, None) is wrapper:
-                    setattr(dist, name, self._originals[name])
+            for name in self._wrappers:
+                _patches.restore(f"torch.distributed.{name}")
             for undo in self._undo:
                 undo()
             self._undo.clear()

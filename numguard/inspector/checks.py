@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from .. import process as _process
 from .. import schema
 from ..errors import InspectorWarning
 from .frames import is_parameter_gradients
@@ -41,25 +42,6 @@ class CheckStatus(NamedTuple):
     @property
     def headroom_hit(self) -> bool:
         return self.values[2] != 0 or self.values[4] != 0
-
-
-def distributed_on() -> bool:
-    try:
-        import torch.distributed as dist
-        return dist.is_available() and dist.is_initialized()
-    except Exception:
-        return False
-
-
-def rank():
-    """This process's rank, or None outside an initialized torch.distributed job."""
-    try:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except Exception:
-        pass
-    return None
 
 
 #: The end of a check made when a submodule called outside the root's forward returned.
@@ -138,7 +120,7 @@ class FlagReader:
         self.ring.merge_devices()  # NOTE: [one ring per device]
         state = self.ring.state_buf
         forward_end = self.where == "batch end" or self.where.endswith(OUTSIDE_ROOT)
-        if distributed_on() and (torch.is_grad_enabled() or not forward_end):
+        if _process.is_distributed() and (torch.is_grad_enabled() or not forward_end):
             module = coordination(self.warned)
             if module is not None:
                 # The batch number lets ranks that pair different batches (different check_every,
@@ -156,7 +138,7 @@ class FlagReader:
                 if numbers is not None:
                     parts.append(numbers.view(torch.int64))
                 return torch.cat(parts), True, 0 if numbers is None else numbers.numel()
-        if distributed_on():
+        if _process.is_distributed():
             self._local_work = True  # this interval's step time is not comparable across ranks
         return state, False, 0
 

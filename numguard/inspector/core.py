@@ -18,12 +18,13 @@ from typing import NamedTuple
 import torch
 
 from .. import env
+from .. import process as _process
 from ..errors import AbortAfterBatch, InspectorWarning, NonFiniteError
 from . import frames as _frames
 from . import checks as _checks
 from .checks import FlagReader
 from .graph import GraphRecorder
-from .hooks import ModuleHooks, active
+from .hooks import BatchState, ModuleHooks, active
 from .options import STDOUT, WatchOptions
 from .history import ModuleHistory
 from .operations import OperationRecorder
@@ -39,12 +40,8 @@ _roots = weakref.WeakKeyDictionary()    # root module -> the open Inspector watc
 
 
 def _caller_site():
-    """file:line of the first caller outside numguard (where watch() was called)."""
-    package = __name__.split(".")[0]
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == package:
-        frame = frame.f_back
-    return "an unknown place" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    """file:line of the first caller outside numguard and torch (where watch() was called)."""
+    return _process.call_site(unknown="an unknown place")
 
 
 def _take_root(model, inspector):
@@ -52,7 +49,7 @@ def _take_root(model, inspector):
     gives way to the script's own; any other is an error: the second of two inspectors on one model
     would never report (the first one's batch-end check raises before the second one's runs)."""
     first = _roots.get(model)
-    if first is not None and not first._closed:
+    if first is not None and not first._batch.closed:
         startup = sys.modules.get("numguard._startup")
         watcher = startup.auto_watcher() if startup is not None else None
         started = [] if watcher is None else [insp for _, insp in watcher.inspectors]
@@ -102,33 +99,7 @@ class Inspector(ModuleHooks):
 
     Args:
         model: the root module. Its forward returning ends a batch (batches are 0-indexed).
-        max_frames_to_save: frames shown in a report (the last ones, ending with the first frame
-            that holds a non-finite value).
-        trace_batch_nums: batches whose every frame is printed, in Transformers' trace format.
-        abort_after_batch_num: raise `numguard.errors.AbortAfterBatch` (a ValueError) when this
-            batch has finished.
-        backward: also watch gradients (numguard.backward).
-        check: "sync" (read the trip flag at each checked batch end: one tiny device->host copy)
-            or "async" (copy it to pinned memory without waiting and read it at the next check:
-            healthy batches never wait; a trip is reported one check late).
-        check_every: check every N-th batch (records are kept for the batches in between).
-        on_trip: "raise" (numguard.NonFiniteError), "warn" (NonFiniteWarning, training goes on)
-            or "dump" (write a JSON report per rank into `dump_dir`, warn, go on).
-        dump_dir: where on_trip="dump" writes (default: the current directory).
-        headroom: warn once per module when a float16/bfloat16/float8 tensor's abs max passes
-            this fraction of the dtype's largest finite value (0 turns it off).
-        report_to: where reports and traces are printed: a file object, a callable taking the
-            text, or None for nowhere (default: sys.stdout at the time of printing).
-        extras: also show what Transformers does not (keyword inputs, contents of dict / list /
-            dataclass outputs, deeper nesting) on lines of their own.
-        scaler_skips: with backward=True, a step that torch.amp.GradScaler skips for inf/NaN
-            gradients is "count"ed (default; not a trip) or a "trip" (numguard.backward).
-        ops: also record every aten operation the forward runs (numguard.inspector.operations;
-            slower): a trip names the first operation that made a NaN/Inf and its call site.
-            With backward=True, the backward's operations too.
-        replay: keep each module's last inputs and, after a trip, re-run the first bad module in
-            operation mode (numguard.inspector.replay): the report names the operation, or says
-            that the replay did not reproduce the NaN/Inf.
+{options}
 
     What trips: a NaN/Inf in a module's output (or weights). A NaN/Inf a module takes and does not
     pass on (an attention mask's -inf, a log(0) it throws away: its outputs are finite) is context,
@@ -137,8 +108,9 @@ class Inspector(ModuleHooks):
 
     _inputs_trip = False  # NOTE: [context records]
 
-    def __init__(self, model: torch.nn.Module, max_frames_to_save=21, trace_batch_nums=(),
-                 abort_after_batch_num=None, **options):
+    def __init__(self, model: torch.nn.Module, max_frames_to_save=env.WATCH_DEFAULTS["max_frames_to_save"],
+                 trace_batch_nums=env.WATCH_DEFAULTS["trace_batch_nums"],
+                 abort_after_batch_num=env.WATCH_DEFAULTS["abort_after_batch_num"], **options):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"numguard.watch: model must be a torch.nn.Module, got {type(model).__name__}")
         self.options = WatchOptions.from_arguments(
@@ -150,14 +122,11 @@ class Inspector(ModuleHooks):
         self.abort_after_batch_num = opts.abort_after_batch_num
         self._model_ref = weakref.ref(model)
         self._handles = []
-        self._closed = False
+        self._batch = BatchState()        # closed / open / depth / done: the hooks' batch state
         self._warned = set()
         self._owners = []
         self._module_names = weakref.WeakKeyDictionary()
         self._named = {}                  # (name, class) -> Owner for record_frame
-        self._batches_done = 0
-        self._depth = 0
-        self._batch_open = False
         self._thread = None
         self._child_hooks = []            # pre-hooks timing the root's first child (hooks.py)
         self._first_child = None
@@ -212,9 +181,9 @@ class Inspector(ModuleHooks):
         return self._batch_index()
 
     def _batch_index(self) -> int:
-        if self._depth > 0 or self._batches_done == 0:
-            return self._batches_done
-        return self._batches_done - 1
+        if self._batch.depth > 0 or self._batch.done == 0:
+            return self._batch.done
+        return self._batch.done - 1
 
     @property
     def module_names(self):
@@ -262,12 +231,12 @@ class Inspector(ModuleHooks):
     @property
     def batches_finished(self) -> int:
         """Root forwards that have returned."""
-        return self._batches_done
+        return self._batch.done
 
     @property
     def in_forward(self) -> bool:
         """Whether a watched forward is running now."""
-        return self._depth > 0
+        return self._batch.depth > 0
 
     @property
     def backward_watcher(self):
@@ -307,13 +276,13 @@ class Inspector(ModuleHooks):
     def close(self, check: bool = True) -> None:
         """Remove every hook numguard added. With `check`, batches not checked yet are checked
         first (with the configured on_trip action)."""
-        if self._closed:
+        if self._batch.closed:
             return
         try:
             if check and (len(self._ring.frames) > self._ring.last_check_frames or self._reader.pending):
                 self.check_now("close")
         finally:
-            self._closed = True
+            self._batch.closed = True
             if self._ops is not None:
                 self._ops_call("stop")
             for h in self._handles:
@@ -346,7 +315,7 @@ class Inspector(ModuleHooks):
         tensors get a stats line, None a 'None' line, anything else a 'not a tensor' line.
         Frames whose section is not "forward" are reported in a section of their own
         ("Last N <section> frames:")."""
-        if self._closed:
+        if self._batch.closed:
             return
         if len(labels) != len(values):
             raise ValueError(f"numguard.record_frame: {len(labels)} labels but {len(values)} values; give "
@@ -370,7 +339,7 @@ class Inspector(ModuleHooks):
         """Look at the trip flag now (check="sync": one tiny device->host read; "async": read the
         copy made at the previous check and start a new one) and handle a trip: print the report,
         then raise / warn / dump as configured."""
-        if self._closed:
+        if self._batch.closed:
             return
         if self.options.check == "sync":
             self._handle(self._reader.read_now(where, self._batch_index()))
@@ -378,7 +347,7 @@ class Inspector(ModuleHooks):
         status = self._reader.read_async(where, self._batch_index())
         if status is not None:
             self._handle(status)
-            if self._closed:
+            if self._batch.closed:
                 return
         self._reader.issue_async_copy(self._batch_index())
 
@@ -390,7 +359,7 @@ class Inspector(ModuleHooks):
     def check_now(self, where: str) -> None:
         """A synchronous check whatever `check` says (the state read now covers what a pending
         async copy held)."""
-        if self._closed:
+        if self._batch.closed:
             return
         self._reader.forget_pending()
         self._handle(self._reader.read_now(where, self._batch_index()))
@@ -398,7 +367,7 @@ class Inspector(ModuleHooks):
     def forget_trip_from(self, position: int, where: str) -> None:
         """Records from `position` on are not a trip (e.g. the gradients of a step GradScaler
         skipped). One read of the state: a trip recorded before `position` is still handled."""
-        if self._closed:
+        if self._batch.closed:
             return
         self._ring.merge_devices()  # other devices' trips too (NOTE: [one ring per device])
         tripped, first = self._ring.state[:2].tolist()
@@ -413,7 +382,7 @@ class Inspector(ModuleHooks):
 
     def backward_ops_start(self) -> bool:
         """Enter operation mode for a backward (numguard.backward, with ops=True); whether it did."""
-        if self._ops is None or self._closed:
+        if self._ops is None or self._batch.closed:
             return False
         try:
             return self._ops.start_backward()
@@ -462,11 +431,11 @@ class Inspector(ModuleHooks):
 
     # -- the batch life cycle --------------------------------------------------------------------
     def _begin_batch(self):
-        self._batch_open = True
+        self._batch.open = True
         if self._graph is not None:
-            self._graph.begin_batch(self._batches_done)
+            self._graph.begin_batch(self._batch.done)
         try:
-            self._weights.record(self._batches_done, self._ring, self._move_to)
+            self._weights.record(self._batch.done, self._ring, self._move_to)
         except Exception as exc:
             self._warn_once(("weights",), f"numguard: could not record weight stats ({type(exc).__name__}: "
                                           f"{exc}); weights are not watched from now on")
@@ -486,16 +455,16 @@ class Inspector(ModuleHooks):
     def _frames_dropped(self, cut):
         self._reader.frames_dropped(cut)
         frames = self._ring.frames
-        self._weights.drop_before(frames[0].batch if frames else self._batches_done)
+        self._weights.drop_before(frames[0].batch if frames else self._batch.done)
 
     def _end_batch(self):
         self._reader.forward_ended()  # host step time for the cross-rank numbers
         self._keep_first_child_hook()
-        batch = self._batches_done
-        self._batches_done += 1
-        self._batch_open = False
+        batch = self._batch.done
+        self._batch.done += 1
+        self._batch.open = False
         self._ring.forget_seen()
-        self._ring.pending_start = self._batches_done
+        self._ring.pending_start = self._batch.done
         if batch == 0 and self._graph is not None:  # before the check: said before a trip's report
             missing = self._guarded(self._graph.untraced_submodules, self)
             if missing:
@@ -505,7 +474,7 @@ class Inspector(ModuleHooks):
         if traced:
             self._guarded(self._reporter.print_trace, batch)
         watcher = self._backward_watch
-        if self._batches_done % self.options.check_every == 0 and (
+        if self._batch.done % self.options.check_every == 0 and (
                 watcher is None or not watcher.takes_batch_end_check()):
             self._guarded(self.check, "batch end")
         if traced:
@@ -517,7 +486,7 @@ class Inspector(ModuleHooks):
     def _end_direct_call(self, owner):
         """A watched module called outside the root's forward has returned: check now, or its NaN
         would wait for a root call that may never come."""
-        self._batch_open = False
+        self._batch.open = False
         self._ring.forget_seen()
         self._guarded(self.check, f"{owner.name or '(root module)'} ({owner.cls}) {_checks.OUTSIDE_ROOT}")
 
@@ -525,7 +494,7 @@ class Inspector(ModuleHooks):
         """The root forward raised. A trip another inspector already raised (or an abort) is not
         reported twice; otherwise a NaN recorded before the exception is reported now, as a
         warning (this rank only: the other ranks are not at a check), while the exception goes on."""
-        self._batch_open = False
+        self._batch.open = False
         self._ring.forget_seen()
         if isinstance(exc, (NonFiniteError, AbortAfterBatch)):
             self._ring.reset_after_trip()
@@ -622,17 +591,20 @@ class Inspector(ModuleHooks):
         (numguard checks at the batch end, not inside the offending module's hook)."""
 
     def _abort_message(self, batch):
-        done = self._batches_done
+        done = self._batch.done
         return (f"numguard: aborting after batch_number={batch} ({done} batch{'es' if done != 1 else ''} run) "
                 f"as requested by abort_after_batch_num={self.abort_after_batch_num}")
+
+
+if Inspector.__doc__:  # the options' entries come from their one table (None under python -OO)
+    Inspector.__doc__ = Inspector.__doc__.replace("{options}", env.options_doc(indent=8))
 
 
 def watch(model: torch.nn.Module, max_frames_to_save=env.UNSET, trace_batch_nums=env.UNSET,
           abort_after_batch_num=env.UNSET, **options) -> Inspector:
     """Watch every module of `model`; returns an Inspector (a context manager). See Inspector
-    for the options (backward, check, check_every, on_trip, dump_dir, headroom, report_to,
-    extras, scaler_skips). Arguments left out take their NUMGUARD_* variable (numguard.env),
-    then numguard.env.WATCH_DEFAULTS."""
+    for the options (numguard.env.WATCH_OPTIONS). Arguments left out take their NUMGUARD_*
+    variable (numguard.env), then numguard.env.WATCH_DEFAULTS."""
     passed = dict(options, max_frames_to_save=max_frames_to_save, trace_batch_nums=trace_batch_nums,
                   abort_after_batch_num=abort_after_batch_num)
     return Inspector(model, **env.resolve_watch_options(passed))

@@ -52,7 +52,7 @@ class DebugUnderflowOverflow(core.Inspector):
     @property
     def batch_number(self) -> int:
         """Batches finished so far (Transformers' meaning: the batch running now, 0-indexed)."""
-        return self._batches_done - self._batch_offset
+        return self._batch.done - self._batch_offset
 
     @property
     def detected_overflow(self) -> bool:
@@ -81,11 +81,11 @@ class DebugUnderflowOverflow(core.Inspector):
 
     def _trip_reported(self, report, frames_after):
         # Transformers raises inside the offending module's hook: its counters stop there.
-        self._batch_offset = self._batches_done - report["batch_number"]
+        self._batch_offset = self._batch.done - report["batch_number"]
         self._ring.hf_calls -= frames_after
 
     def _abort_message(self, batch):
-        return (f"DebugUnderflowOverflow: aborting after {self._batches_done} batches due to "
+        return (f"DebugUnderflowOverflow: aborting after {self._batch.done} batches due to "
                 f"`abort_after_batch_num={self.abort_after_batch_num}` arg")
 
 
@@ -174,7 +174,7 @@ def detect_overflow(var, ctx) -> bool:
         recorder.paused += 1  # numguard's own check is not an operation of the model
     try:
         nans, infs = _has_nans_and_infs(var)
-        if inspector is not None and inspector.options.extras and not inspector._closed:
+        if inspector is not None and inspector.options.extras and not inspector._batch.closed:
             try:
                 _record_detect(inspector, var, ctx, _current_module(inspector))
             except Exception as exc:  # the check above stands; only the report line is lost

@@ -181,7 +181,7 @@ def _record_gradient(grad: torch.Tensor, recorder: str, slot: int) -> None:
         return
     try:
         inspector = graph._inspector()
-        if inspector is not None and not inspector._closed:
+        if inspector is not None and not inspector._batch.closed:
             _record_gradient_now(graph, inspector, grad, slot)
     except Exception as exc:  # numguard's failure must not kill the job
         graph.closed = True

@@ -23,9 +23,21 @@ _ONE_IN_ONE_OUT_LABELS = _frames.ONE_IN_ONE_OUT_LABELS
 _ONE_IN_ONE_OUT_KINDS = _frames.ONE_IN_ONE_OUT_KINDS
 
 
+class BatchState:
+    """Where an Inspector's batch stands, the state its hooks share (and the native recorder's
+    fast path reads, by these public names: csrc/recorder.cpp)."""
+    __slots__ = ("closed", "open", "depth", "done")
+
+    def __init__(self):
+        self.closed = False  # the Inspector was closed: every hook does nothing
+        self.open = False    # a batch has begun and not ended
+        self.depth = 0       # watched top-module forwards running (nested calls included)
+        self.done = 0        # batches finished (the running batch's number)
+
+
 class ModuleHooks:
     """Hook installation and the hooks themselves, for the Inspector. They use its `_ring`,
-    `options`, `_owners`, `_module_names`, `_handles`, `_depth`, `_batch_open`, `_batches_done`,
+    `options`, `_owners`, `_module_names`, `_handles`, `_batch` (a BatchState),
     `_thread`, `_reader` (the step time's clock), `_child_hooks` and `_first_child`, and call its
     batch life cycle: `_begin_batch`, `_end_batch`,
     `_end_direct_call`, `_after_raised_forward`, `_guarded` and `_warn_once`."""
@@ -72,7 +84,7 @@ class ModuleHooks:
             self._child_hooks.append((id(child), handle))
 
     def _child_pre_hook(self, key, module, args):
-        if self._depth != 1 or _is_compiling():  # only inside the root's eager forward
+        if self._batch.depth != 1 or _is_compiling():  # only inside the root's eager forward
             return None
         if self._first_child is None:
             self._first_child = key
@@ -107,11 +119,11 @@ class ModuleHooks:
         self._add_after_hook(owner, module)
 
     def _top_pre_hook(self, owner, module, args):
-        if self._depth == 0:
+        if self._batch.depth == 0:
             self._thread = threading.get_ident()
             if owner.is_root:
                 self._reader.forward_started()
-            if not self._batch_open:
+            if not self._batch.open:
                 self._begin_batch()
             if self not in active:
                 active.append(self)
@@ -121,16 +133,16 @@ class ModuleHooks:
             self._warn_once("threads", "numguard: the watched model is being called from several threads at "
                             "once; one Inspector counts batches for one thread, so batch numbers and the "
                             "module blamed for a trip may be wrong. Watch a separate model object per thread.")
-        self._depth += 1
+        self._batch.depth += 1
 
     def _leave_top(self):
-        self._depth = max(0, self._depth - 1)
-        if self._depth == 0:
+        self._batch.depth = max(0, self._batch.depth - 1)
+        if self._batch.depth == 0:
             if self in active:
                 active.remove(self)
             if self._ops is not None:
                 self._ops_call("stop")
-        return self._depth == 0
+        return self._batch.depth == 0
 
     def _ops_call(self, what, *args):
         """Start or stop operation mode; its failure switches it off, never the job."""
@@ -181,12 +193,13 @@ class ModuleHooks:
         tensor in, one out, inside the root's forward), else _module_hook. Under torch.compile
         only _module_hook is traced (NOTE: [compile])."""
         ring = self._ring
+        batch = self._batch
         slow = self._module_hook
 
         def hook(module, args, kwargs, output):
             if not _is_compiling():
                 try:
-                    if ring.module_call(owner, self, args, kwargs, output):
+                    if ring.module_call(owner, batch, args, kwargs, output):
                         return None
                 except Exception as exc:  # numguard's own failure must not kill the job
                     self._disable(owner, exc)
@@ -197,31 +210,31 @@ class ModuleHooks:
         return hook
 
     def _module_hook(self, owner, module, args, kwargs, output):
-        if owner.off or self._closed:
+        if owner.off or self._batch.closed:
             return None
         if _is_compiling():
             # Traced into the graph: one recording op per call (numguard.inspector.graph).
             return _graph.record_in_graph(self, owner, args, kwargs, output)
         try:
-            if not self._batch_open:
+            if not self._batch.open:
                 # A module frame outside the root's forward (a submodule called directly) opens the
                 # batch: its weights are those of now.
                 self._begin_batch()
             # The root's and top modules' frames end a check: recorded afresh (NOTE: [fresh frames]).
-            fresh = owner.is_top or self._depth == 0
+            fresh = owner.is_top or self._batch.depth == 0
             # NOTE: [context records] In watch() a module's inputs trip only with a non-finite output.
             context_inputs = not self._ring.inputs_trip
             if not kwargs and len(args) == 1 and type(output) is _Tensor and type(args[0]) is _Tensor:
                 # Fast path: one positional tensor in, one tensor out (Linear, LayerNorm, Dropout, ...).
                 self._ring.record(owner, [args[0], output], _ONE_IN_ONE_OUT_LABELS, _ONE_IN_ONE_OUT_KINDS,
-                                  "forward", True, True, self._batches_done, None, fresh, int(context_inputs))
+                                  "forward", True, True, self._batch.done, None, fresh, int(context_inputs))
             else:
                 xs, labels, kinds, n_inputs = _frames.flatten_call(args, kwargs, output)
-                self._ring.record(owner, xs, labels, kinds, "forward", True, True, self._batches_done, None, fresh,
+                self._ring.record(owner, xs, labels, kinds, "forward", True, True, self._batch.done, None, fresh,
                                   n_inputs if context_inputs else 0)
         except Exception as exc:  # numguard's own failure must not kill the job
             self._disable(owner, exc)
-        if self._depth == 0 and not owner.is_top:
+        if self._batch.depth == 0 and not owner.is_top:
             # Called outside the root's forward (e.g. model.encoder(x) directly).
             try:
                 self._make_top(owner, module)

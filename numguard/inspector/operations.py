@@ -15,8 +15,6 @@ computed with ``torch.autograd.grad`` are not recorded as operations (only ``bac
 """
 from __future__ import annotations
 
-import os
-import sys
 import weakref
 
 import torch
@@ -24,41 +22,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .. import ops as _ops
+from .. import process as _process
 from .. import schema
 from . import frames as _frames
 
 SECTION = "operations"
 BACKWARD_SECTION = "backward operations"
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_NUMGUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _FLOATING = frozenset(d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16,
                                   getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
                       if d is not None)
 _Tensor = torch.Tensor
 _dead = lambda: None  # noqa: E731  (a weakref that never matches)
-_internal_code = {}   # code object -> whether it belongs to torch, numguard or this interpreter's glue
-
-
-def _is_internal(code):
-    hit = _internal_code.get(code)
-    if hit is None:
-        name = code.co_filename
-        if not name.startswith("<"):
-            # As imported: a path with '..' (sys.path entries like 'benchmarks/..') still counts.
-            name = os.path.normpath(os.path.abspath(name))
-        hit = _internal_code[code] = (name.startswith(_TORCH_DIR) or name.startswith(_NUMGUARD_DIR)
-                                      or name.startswith("<"))
-    return hit
 
 
 def call_site():
     """'file.py:123' of the innermost frame outside torch and numguard ('' when there is none)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if not _is_internal(frame.f_code):
-            return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
-        frame = frame.f_back
-    return ""
+    return _process.call_site(basename=True, unknown="")
 
 
 def _skipped(func):
@@ -384,7 +363,7 @@ class OperationRecorder(TorchDispatchMode):
         made = self.made
         self.lineage[start] = tuple(_made_at(made, x) for x in ins)
         # NOTE: [operation frames do not trip]: every tensor recorded afresh, inputs then outputs.
-        ring.record(owner, ins + outs, labels, kinds, section, False, False, insp._batches_done,
+        ring.record(owner, ins + outs, labels, kinds, section, False, False, insp._batch.done,
                     self._op_state(ring))
         if before is not None:   # NOTE: [inputs of in-place operations]
             rows, stats, _ = before

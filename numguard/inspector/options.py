@@ -1,5 +1,6 @@
-"""watch()'s options as one checked record. What each option accepts, its default and its
-NUMGUARD_* variable live in numguard.env (the one copy); this module only holds the result."""
+"""watch()'s options as one checked record. Each option is declared once, in
+numguard.env.WATCH_OPTIONS (name, default, check, meaning, variable); this module only derives the
+record's type from that table."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,31 +10,19 @@ from .. import env
 STDOUT = env.STDOUT  # the default report_to: whatever sys.stdout is at report time
 
 
-@dataclasses.dataclass
-class WatchOptions:
-    """Validated watch() options (see Inspector for what each does)."""
-    max_frames_to_save: int
-    trace_batch_nums: env.BatchSet
-    abort_after_batch_num: int | None
-    backward: bool
-    check: str
-    check_every: int
-    on_trip: str
-    dump_dir: object
-    headroom: float
-    report_to: object
-    extras: bool
-    scaler_skips: str
-    ops: bool
-    replay: bool
-    replicas: int = 0   # numguard.distributed.replicas: check every N steps (0: off)
+def _from_arguments(cls, **arguments):
+    """Options from watch()'s arguments (those left out take env.WATCH_DEFAULTS); raises
+    numguard.env.OptionError (a TypeError and a ValueError) naming the first bad one."""
+    unknown = sorted(set(arguments) - set(env.WATCH_DEFAULTS))
+    if unknown:
+        raise TypeError(f"numguard.watch: unknown option(s) {', '.join(unknown)}; the options are "
+                        f"{', '.join(env.WATCH_DEFAULTS)}")
+    return cls(**env.validate_watch_options(dict(env.WATCH_DEFAULTS, **arguments)))
 
-    @classmethod
-    def from_arguments(cls, **arguments) -> "WatchOptions":
-        """Options from watch()'s arguments (those left out take env.WATCH_DEFAULTS); raises
-        numguard.env.OptionError (a TypeError and a ValueError) naming the first bad one."""
-        unknown = sorted(set(arguments) - set(env.WATCH_DEFAULTS))
-        if unknown:
-            raise TypeError(f"numguard.watch: unknown option(s) {', '.join(unknown)}; the options are "
-                            f"{', '.join(env.WATCH_DEFAULTS)}")
-        return cls(**env.validate_watch_options(dict(env.WATCH_DEFAULTS, **arguments)))
+
+#: Validated watch() options, one field per row of numguard.env.WATCH_OPTIONS.
+WatchOptions = dataclasses.make_dataclass(
+    "WatchOptions", [(o.name, object) for o in env.WATCH_OPTIONS],
+    namespace={"from_arguments": classmethod(_from_arguments),
+               "__doc__": "Validated watch() options (numguard.env.WATCH_OPTIONS says what each does).",
+               "__module__": __name__})

@@ -74,7 +74,7 @@ class InputKeeper:
             # no replay).
             args = tuple(_keep_value(x, weak) for x in args)
             kwargs = {k: _keep_value(v, weak) for k, v in kwargs.items()}
-            self.calls[owner.index] = (args, kwargs, self.inspector._batches_done,
+            self.calls[owner.index] = (args, kwargs, self.inspector._batch.done,
                                        self.generator.get_state())
         except Exception:   # e.g. inference tensors have no version counter: not replayable
             self.calls.pop(owner.index, None)
@@ -320,15 +320,15 @@ def _run(inspector, keeper, module, owner, args, kwargs, rng, saved):
                 functools.partial(_operations_pop, recorder, sub_owner), always_call=True))
     generator = keeper.generator
     state = generator.get_state()
-    closed, depth = inspector._closed, inspector._depth
-    inspector._closed = True    # the inspector's own hooks stay quiet during the replay
-    inspector._depth = depth + 1
+    closed, depth = inspector._batch.closed, inspector._batch.depth
+    inspector._batch.closed = True    # the inspector's own hooks stay quiet during the replay
+    inspector._batch.depth = depth + 1
     try:
         generator.set_state(rng)
         with torch.no_grad(), recorder:
             module(*args, **kwargs)
     finally:
-        inspector._closed, inspector._depth = closed, depth
+        inspector._batch.closed, inspector._batch.depth = closed, depth
         generator.set_state(state)
         for h in handles:
             h.remove()

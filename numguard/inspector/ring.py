@@ -98,7 +98,7 @@ class _PythonRecorder:
         self._seen.clear()
 
     @staticmethod
-    def module_call(owner, inspector, args, kwargs, output):
+    def module_call(owner, batch, args, kwargs, output):
         """The native fast path only: every call takes the hook's Python path here."""
         return False
 
@@ -291,7 +291,7 @@ class FrameRing:
     a non-finite output (NOTE: [context records]). It is the recorder's own method (the native
     FrameRecorder when the extension is loaded: no Python frame per watched module call).
 
-    ``module_call(owner, inspector, args, kwargs, output)``: the steady-state module hook's fast
+    ``module_call(owner, batch, args, kwargs, output)``: the steady-state module hook's fast
     path (one tensor in, one out, inside an open batch): records the frame and returns True, else
     returns False and the hook's Python path handles the call (always, without the extension)."""
 

@@ -6,6 +6,7 @@ import sys
 import warnings
 
 from .. import ops, schema
+from .. import process as _process
 from .. import report as _report
 from ..errors import HeadroomWarning, InspectorWarning, NonFiniteError, NonFiniteWarning
 from . import checks
@@ -269,7 +270,7 @@ class Reporter:
             "format": "numguard-report", "version": 1,
             "batch_number": hf_batch, "batch": batch, "found_at_batch": found_at,
             "check": self.options.check, "check_every": self.options.check_every, "where": self.reader.where,
-            "rank": checks.rank(), "ranks": [],
+            "rank": _process.rank(default=None), "ranks": [],
             "module": off.owner.name, "class": off.owner.cls, "labels": bad, "section": _pass_of(section),
             "max_frames_to_save": max_frames, "headroom": self.options.headroom,
             "backend": ops.backend(), "frames": out_frames,
@@ -329,10 +330,10 @@ class Reporter:
                                                      batch if batch is not None else status.found_at,
                                                      tripped=status.tripped, kind=kind, ordinal=ordinal,
                                                      labels=labels)
-        rank = checks.rank()
+        rank = _process.rank(default=None)
         # The fault every rank names: the earliest across ranks (NOTE: [earliest fault]).
         first = coordination.earliest_fault(ranks) if ranks else None
-        me = rank  # the details' ranks are the default group's, as checks.rank()
+        me = rank  # the details' ranks are the default group's, as numguard.process.rank()
         elsewhere = first is not None and first[0] != me
         if elsewhere:
             # A rank whose own fault ties with the earliest (same batch, kind and frame) made it

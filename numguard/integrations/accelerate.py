@@ -194,13 +194,13 @@ def _caller_site() -> str:
     called the Accelerate operation."""
     import os
 
-    from ..distributed import coordination
+    from .. import process
 
     package = os.path.dirname(os.path.dirname(sys.modules[_OPERATIONS_MODULE].__file__)) + os.sep
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not coordination._internal(filename) and not filename.startswith(package):
+        if not process.is_internal(frame.f_code) and not filename.startswith(package):
             return f"{filename}:{frame.f_lineno}"
         frame = frame.f_back
     return "<unknown>"
@@ -243,11 +243,10 @@ def follow_container_operations():
         finally:
             guard.end_container_operation(token)
 
-    recursively_apply.__numguard_original__ = original
-    operations.recursively_apply = recursively_apply
+    from .. import patches
 
-    def undo():
-        if getattr(operations, "recursively_apply", None) is recursively_apply:
-            operations.recursively_apply = original
-
-    return undo
+    patch = patches.replace(operations, "recursively_apply", recursively_apply,
+                            target=f"{_OPERATIONS_MODULE}.recursively_apply",
+                            why="guard_collectives(): check the whole container of Accelerate's gather/reduce/"
+                                "broadcast/pad_across_processes")
+    return lambda: patches.restore(patch)

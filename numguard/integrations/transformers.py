@@ -123,7 +123,11 @@ def serve_debug_option() -> None:
 
     numguard_serves.__numguard_serves__ = True
     numguard_serves.__wrapped__ = current
-    trainer_module.DebugUnderflowOverflow = numguard_serves
+    from .. import patches
+
+    patches.replace(trainer_module, "DebugUnderflowOverflow", numguard_serves,
+                    target="transformers.trainer.DebugUnderflowOverflow",
+                    why='NUMGUARD=1: debug="underflow_overflow" runs numguard\'s drop-in')
 
 
 def _callback_handler():

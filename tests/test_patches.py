@@ -1,0 +1,61 @@
+"""numguard.patches: every process-wide change numguard makes goes through one place, is listed
+by numguard.patched() while in place, and is undone by what installed it."""
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+
+import numguard
+from numguard import patches
+
+
+def _targets():
+    return [p["target"] for p in numguard.patched()]
+
+
+def test_replace_is_idempotent_restores_and_leaves_a_wrapper_on_top_alone():
+    owner = types.SimpleNamespace(f=lambda: "original")
+    original = owner.f
+    first = patches.replace(owner, "f", lambda: "ours", target="test.f", why="a test")
+    assert patches.replace(owner, "f", lambda: "again", target="test.f", why="a test") is first
+    assert owner.f() == "ours" and owner.f.__numguard_original__ is original
+    assert {"target": "test.f", "why": "a test"} in numguard.patched()
+    patches.restore("test.f")
+    patches.restore("test.f")  # idempotent
+    assert owner.f is original and "test.f" not in _targets()
+    # someone wrapped ours: restoring leaves their wrapper in place
+    patches.replace(owner, "f", lambda: "ours", target="test.f", why="a test")
+    theirs = owner.f = lambda: "theirs"
+    patches.restore("test.f")
+    assert owner.f is theirs
+
+
+def test_watch_with_backward_lists_its_patches_and_close_removes_them():
+    before = _targets()
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    original_backward, original_step = torch.autograd.backward, torch.amp.GradScaler.step
+    insp = numguard.watch(model, backward=True, ops=True, report_to=None)
+    added = [t for t in _targets() if t not in before]
+    assert added == ["torch.autograd.backward", "torch.optim optimizer step pre-hook",
+                     "torch.amp.GradScaler.step"]
+    assert torch.autograd.backward is not original_backward
+    model(torch.ones(1, 2)).sum().backward()
+    insp.close()
+    assert _targets() == before
+    assert torch.autograd.backward is original_backward and torch.amp.GradScaler.step is original_step
+
+
+def test_the_collective_guard_lists_each_function_it_wraps(monkeypatch):
+    from numguard.distributed import guard_collectives
+    before = _targets()
+    original = dist.all_reduce
+    guard = guard_collectives()
+    try:
+        added = [t for t in _targets() if t not in before]
+        assert "torch.distributed.all_reduce" in added and len(added) == len(guard.names)
+        assert all(t.startswith("torch.distributed.") for t in added)
+    finally:
+        guard.remove()
+    assert dist.all_reduce is original and _targets() == before
