@@ -12,6 +12,7 @@
 
 #include "numguard/build_info.h"
 #include "numguard/host_checks.h"
+#include "numguard/fingerprint.h"
 #include "numguard/stats_reduce.h"
 
 TORCH_LIBRARY(numguard, m) {
@@ -26,7 +27,7 @@ TORCH_LIBRARY(numguard, m) {
   // ring: float64[R, 8]; state: int64[4] (see StateField in numguard/stats_reduce.h).
   m.def("record_(Tensor(a!) ring, Tensor(b!) state, Tensor[] xs, int position, float headroom, int context=0) -> ()");
 
-  // --- replica fingerprints (NOTE: [fingerprint] in numguard/stats_reduce.h) ---
+  // --- replica fingerprints (NOTE: [fingerprint] in numguard/fingerprint.h) ---
   // int64[len(xs)] on the tensors' device: the exact 64-bit digest of each tensor's bits (uint64
   // stored as int64), in one pass (one launch per 64 tensors on CUDA). Never synchronizes.
   m.def("multi_tensor_fingerprint(Tensor[] xs) -> Tensor");
@@ -72,7 +73,7 @@ std::vector<std::tuple<std::string, double, double, double>> dtypes() {
 // to compare with numguard.schema.FINGERPRINT_LAYOUT at load.
 std::vector<int64_t> fingerprint_layout() {
   return {numguard::kFingerprintVersion, static_cast<int64_t>(numguard::kFingerprintIndexStep),
-          static_cast<int64_t>(0xBF58476D1CE4E5B9ull), static_cast<int64_t>(0x94D049BB133111EBull)};
+          static_cast<int64_t>(numguard::kFingerprintMix1), static_cast<int64_t>(numguard::kFingerprintMix2)};
 }
 
 }  // namespace

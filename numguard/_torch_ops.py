@@ -8,6 +8,8 @@ from typing import Sequence
 
 import torch
 
+from . import schema
+
 # Record and state layout (numguard.schema); the names stay importable from here.
 from .schema import (ABS_MAX, ABS_MIN, FIRST_HEADROOM_POSITION, FIRST_TRIP_POSITION, HEADROOM_HIT,  # noqa: F401
                      MIN_NONZERO, NAN, NEG_INF, NUM_STATS, POS_INF, STATE_SIZE, SUBNORMAL, TRIPPED, ZERO)
@@ -122,7 +124,7 @@ def record_at_cursor_(ring: torch.Tensor, state: torch.Tensor, cursor: torch.Ten
 
 
 # ---------------------------------------------------------------------------------------------
-# Replica fingerprints (NOTE: [fingerprint] in csrc/include/numguard/stats_reduce.h), in int64
+# Replica fingerprints (NOTE: [fingerprint] in csrc/include/numguard/fingerprint.h), in int64
 # arithmetic, which wraps mod 2^64 like the kernels' uint64; right shifts are made logical by
 # masking the sign extension away.
 
@@ -130,9 +132,8 @@ def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-_FP_STEP = _signed(0x9E3779B97F4A7C15)
-_FP_MUL1 = _signed(0xBF58476D1CE4E5B9)
-_FP_MUL2 = _signed(0x94D049BB133111EB)
+_FP_STEP = _signed(schema.FINGERPRINT_INDEX_STEP)
+_FP_MUL1, _FP_MUL2 = (_signed(m) for m in schema.FINGERPRINT_MIX_MULTIPLIERS)
 _UNSIGNED_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

@@ -282,7 +282,7 @@ def record_(ring: torch.Tensor, state: torch.Tensor, xs: Sequence[torch.Tensor],
     """Record xs into ring[(position + i) % len(ring)] unless the ring is frozen by an earlier trip;
     trip `state` on NaN/Inf (first offending position kept), flag headroom. The first `context`
     xs are a call's inputs: their NaN/Inf trips only with a later one's (NOTE: [context records]
-    in csrc/include/numguard/stats_reduce.h). No host sync."""
+    in csrc/include/numguard/fingerprint.h). No host sync."""
     xs = list(xs)
     if _native is None:
         check_same_device(xs)
@@ -298,7 +298,7 @@ def record_(ring: torch.Tensor, state: torch.Tensor, xs: Sequence[torch.Tensor],
 
 
 # ---------------------------------------------------------------------------------------------
-# Replica fingerprints (NOTE: [fingerprint] in csrc/include/numguard/stats_reduce.h)
+# Replica fingerprints (NOTE: [fingerprint] in csrc/include/numguard/fingerprint.h)
 
 if _native is not None:
     @torch.library.register_fake("numguard::multi_tensor_fingerprint")

@@ -96,7 +96,7 @@ FAULT_KINDS = (FAULT_FORWARD, FAULT_GRADIENT, FAULT_PARAMETER_GRADIENT)
 
 # ---------------------------------------------------------------------------------------------
 # Replica fingerprints (numguard.ops.multi_tensor_fingerprint; NOTE: [fingerprint] in
-# csrc/include/numguard/stats_reduce.h): per tensor, the wrapping 64-bit sum over its elements of
+# csrc/include/numguard/fingerprint.h): per tensor, the wrapping 64-bit sum over its elements of
 # mix64(bits ^ (flat_index * FINGERPRINT_INDEX_STEP)), mix64 being splitmix64's finalizer with
 # FINGERPRINT_MIX_MULTIPLIERS. Stored as int64 (the uint64 bits).
 

@@ -1,5 +1,5 @@
 // CPU implementation of numguard::multi_tensor_fingerprint (NOTE: [fingerprint] in
-// numguard/stats_reduce.h), and its "unsupported" kernels for the dispatch keys without a real one
+// numguard/fingerprint.h), and its "unsupported" kernels for the dispatch keys without a real one
 // (the messages of csrc/unsupported.cpp).
 //
 // The work of one call, over all its tensors, is a flat list of fixed-size chunks run on
@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "numguard/host_checks.h"
-#include "numguard/stats_reduce.h"
+#include "numguard/fingerprint.h"
 
 namespace numguard {
 namespace cpu {

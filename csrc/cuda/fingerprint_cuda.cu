@@ -1,5 +1,5 @@
 // CUDA implementation of numguard::multi_tensor_fingerprint (NOTE: [fingerprint] in
-// numguard/stats_reduce.h). Up to kFingerprintBatch tensors per launch: their pointers and sizes
+// numguard/fingerprint.h). Up to kFingerprintBatch tensors per launch: their pointers and sizes
 // travel as a kernel argument (no host->device copy); blockIdx.y picks the tensor, the blocks along
 // x stride over its elements, each block reduces its threads' wrapping sums and adds the result
 // into the tensor's slot with one atomicAdd (order-free mod 2^64). Never waits on the device.
@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "numguard/host_checks.h"
-#include "numguard/stats_reduce.h"
+#include "numguard/fingerprint.h"
 
 namespace numguard {
 namespace cuda {
