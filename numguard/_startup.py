@@ -34,6 +34,21 @@ _activated = False
 _watcher = None
 
 
+def _after_import(name, callback):
+    """numguard._imports.after_import, its file loaded by path (no package import before the
+    script's own: the same way the .pth line loads this file)."""
+    module = sys.modules.get("numguard._imports")
+    if module is None:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(
+            "numguard._imports", os.path.join(os.path.dirname(os.path.abspath(__file__)), "_imports.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    module.after_import(name, callback)
+
+
 def activate():
     """Arrange for numguard to watch the script's root modules once torch is imported.
 
@@ -49,56 +64,6 @@ def activate():
 def auto_watcher():
     """The :class:`AutoWatcher` that ``NUMGUARD=1`` installed, or None."""
     return _watcher
-
-
-class _AfterImportFinder:
-    """A meta path finder that finds nothing itself: when module `name` is about to be imported
-    it asks the other finders for its spec and makes its loader call `callback` after the module
-    ran (then steps aside)."""
-
-    def __init__(self, name, callback):
-        self.name = name
-        self.callback = callback
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.name:
-            return None
-        try:
-            sys.meta_path.remove(self)
-        except ValueError:
-            pass
-        import importlib.util
-
-        spec = importlib.util.find_spec(fullname)
-        loader = getattr(spec, "loader", None)
-        original = getattr(loader, "exec_module", None)
-        if original is None:
-            sys.stderr.write(f"numguard: NUMGUARD=1 is set but the import of {fullname} cannot be followed; "
-                             "call numguard.watch(model) in the script instead\n")
-            return spec
-        callback = self.callback
-
-        def exec_module(module):
-            try:
-                original(module)
-            finally:
-                try:
-                    del loader.exec_module  # the loader is the module's own; leave it as it was
-                except AttributeError:
-                    pass
-            callback()
-
-        loader.exec_module = exec_module
-        return spec
-
-
-def _after_import(name, callback):
-    """Call `callback` once module `name` is imported (now, if it already is)."""
-    module = sys.modules.get(name)
-    if module is not None and getattr(getattr(module, "__spec__", None), "_initializing", False) is False:
-        callback()
-        return
-    sys.meta_path.insert(0, _AfterImportFinder(name, callback))
 
 
 def _serve_transformers_debug():
@@ -127,8 +92,11 @@ def _on_torch_imported():
     if level is not None:
         logging.getLogger("numguard").setLevel(level)
     if _watcher is None:
+        from numguard import ownership
+
         _watcher = AutoWatcher(env.settings_from_env())
         _watcher.install()
+        ownership.set_provisional(_watcher)
     _after_import("transformers.trainer", _serve_transformers_debug)
     if env.dist_settings_from_env()["dist_check"]:
         try:
@@ -214,6 +182,31 @@ class AutoWatcher:
                 except Exception:  # noqa: BLE001 - never raise from a garbage-collection callback
                     pass
                 break
+
+    def opened(self, inspector):
+        """Whether this watcher opened `inspector` (numguard.ownership)."""
+        return any(insp is inspector for _, insp in self.inspectors)
+
+    def give_way(self, model=None, inspector=None):
+        """Close the inspectors this watcher opened on `model` or inside it (and leave those
+        modules to their new owner from now on), or the one `inspector`; returns how many it
+        closed (numguard.ownership.give_way)."""
+        inside = set() if model is None else {id(m) for m in model.modules()}
+        closed = 0
+        kept = []
+        for ref, insp in list(self.inspectors):
+            root = ref()
+            if insp is inspector or (root is not None and id(root) in inside):
+                try:
+                    insp.close()
+                finally:
+                    closed += 1
+            else:
+                kept.append((ref, insp))
+        self.inspectors[:] = kept
+        if model is not None:
+            self.covered.update(model.modules())
+        return closed
 
     def roots(self):
         """The modules watched as roots, oldest first (those still alive)."""

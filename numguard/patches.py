@@ -43,11 +43,13 @@ class Patch:
 def replace(owner, attribute, replacement, *, target, why, calls=None) -> Patch:
     """Set ``owner.<attribute>`` to `replacement`, keeping the original to restore. The function
     the replacement calls (`calls`, default the original) is its ``__numguard_original__`` where
-    it takes attributes. Idempotent per target."""
+    it takes attributes. Idempotent per target while numguard's replacement is in place."""
     with _lock:
         patch = _active.get(target)
         if patch is not None:
-            return patch
+            if _in_place(patch):
+                return patch
+            del _active[target]  # someone restored or replaced it since: ours is gone
         original = getattr(owner, attribute)
         try:
             replacement.__numguard_original__ = original if calls is None else calls
@@ -83,13 +85,18 @@ def restore(patch_or_target) -> None:
             setattr(patch.owner, patch.attribute, patch.original)
 
 
+def _in_place(patch) -> bool:
+    return patch.handle is not None or getattr(patch.owner, patch.attribute, None) is patch.replacement
+
+
 def active(target) -> Patch | None:
     """The patch of `target` in place now, or None."""
-    return _active.get(target)
+    patch = _active.get(target)
+    return patch if patch is not None and _in_place(patch) else None
 
 
 def patched() -> list:
-    """What numguard has changed in this process now: ``[{"target": ..., "why": ...}]``, in the
-    order installed (empty when numguard changes nothing)."""
+    """What numguard has changed in this process and is in place now: ``[{"target": ...,
+    "why": ...}]``, in the order installed (empty when numguard changes nothing)."""
     with _lock:
-        return [{"target": p.target, "why": p.why} for p in _active.values()]
+        return [{"target": p.target, "why": p.why} for p in _active.values() if _in_place(p)]

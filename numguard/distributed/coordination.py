@@ -690,12 +690,23 @@ def _gather_pairs(st: _GroupState, first: int, second: int, what: str, site: str
 # The trip exchange's record also carries each rank's numerics (numguard.distributed.numerics):
 # the numbers the inspector's previous check read with its state (no extra host read), and host
 # times it measured. Every rank feeds the same gathered table to numerics.observe, so every rank
-# names the same outliers.
+# names the same outliers. numerics registers itself (on_exchange): the channel knows nothing of
+# what its users do with an exchange.
+_exchange_observers = []  # observe(st, numbers by rank, batch by rank or None)
+
+
+def on_exchange(observe) -> None:
+    """Have ``observe(st, rows, batches)`` told every trip exchange's table of numbers."""
+    if observe not in _exchange_observers:
+        _exchange_observers.append(observe)
+
+
 def _observe_numbers(st: _GroupState, pairs) -> None:
     try:
-        from . import numerics
-        numerics.observe(st, [list(p[3]) for p in pairs],
-                         [None if p[1] == _NO_BATCH else p[1] for p in pairs])
+        rows = [list(p[3]) for p in pairs]
+        batches = [None if p[1] == _NO_BATCH else p[1] for p in pairs]
+        for observe in _exchange_observers:
+            observe(st, rows, batches)
     except Exception as exc:  # numguard's own trouble: the exchange's result stands
         st.warn_once("numerics", (
             f"numguard.distributed: the cross-rank numerics of process group {st.name!r} failed "

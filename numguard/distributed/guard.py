@@ -281,13 +281,13 @@ def _check_container(g, container, group) -> bool:
 def _follow_container_frameworks() -> None:
     """Have each framework of _CONTAINER_FRAMEWORKS announce its container operations, now if
     it is imported, else when it is."""
-    from .._startup import _after_import
+    from .._imports import after_import
 
     for module_name, integration in _CONTAINER_FRAMEWORKS.items():
         if module_name in _following:
             continue
         _following.add(module_name)
-        _after_import(module_name, functools.partial(_follow_framework, module_name, integration))
+        after_import(module_name, functools.partial(_follow_framework, module_name, integration))
 
 
 def _follow_framework(module_name: str, integration: str) -> None:

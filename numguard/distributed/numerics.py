@@ -26,6 +26,7 @@ import math
 import socket
 import threading
 
+from . import coordination as _co
 from .logging import get_logger
 
 FIELDS = ("nonfinite", "activation_headroom", "gradient_headroom", "gradient_min_nonzero",
@@ -176,7 +177,6 @@ def observe(st, rows, batches) -> None:
 
 
 def _tracker(group):
-    from . import coordination as _co
     if not _co.is_initialized():
         return None
     return _trackers.get(_co.group_state(group).name)
@@ -214,7 +214,6 @@ def _released(group) -> None:
 
 
 def _install() -> None:
-    from . import coordination as _co
     _co.on_release(_released)
 
 
@@ -222,3 +221,6 @@ _install()
 
 __all__ = ["FIELDS", "PERSIST", "RULES", "WINDOW", "describe", "last_numbers", "last_outliers",
            "observe"]
+
+
+_co.on_exchange(observe)  # NOTE: [cross-rank numbers] in coordination.py

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from .. import env
+from .. import ownership as _ownership
 from .. import process as _process
 from ..errors import AbortAfterBatch, InspectorWarning, NonFiniteError
 from . import frames as _frames
@@ -50,12 +51,8 @@ def _take_root(model, inspector):
     would never report (the first one's batch-end check raises before the second one's runs)."""
     first = _roots.get(model)
     if first is not None and not first._batch.closed:
-        startup = sys.modules.get("numguard._startup")
-        watcher = startup.auto_watcher() if startup is not None else None
-        started = [] if watcher is None else [insp for _, insp in watcher.inspectors]
-        if any(insp is first for insp in started):
-            watcher.inspectors[:] = [(ref, insp) for ref, insp in watcher.inspectors if insp is not first]
-            first.close()
+        if _ownership.started_here(first):
+            _ownership.give_way(inspector=first)
         else:
             raise ValueError(
                 f"numguard.watch: this {type(model).__name__} is already watched by an open Inspector (made "

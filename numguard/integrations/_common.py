@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from .. import env
+from .. import env, ownership
 from ..errors import InspectorWarning
 from ..inspector import core
 
@@ -51,27 +51,9 @@ def take_over_from_start_up(model) -> int:
     """Close the inspectors NUMGUARD=1's start-up watcher put on `model` or inside it, so the
     integration's own inspector is the only one. Returns how many were closed."""
     try:
-        from .. import _startup
-        watcher = _startup.auto_watcher()
-    except Exception:
+        return ownership.give_way(model=model)
+    except Exception:  # numguard's own trouble: both inspectors keep watching
         return 0
-    if watcher is None:
-        return 0
-    inside = {id(m) for m in model.modules()}
-    closed = 0
-    kept = []
-    for ref, inspector in list(watcher.inspectors):
-        root = ref()
-        if root is not None and id(root) in inside:
-            try:
-                inspector.close()
-            finally:
-                closed += 1
-        else:
-            kept.append((ref, inspector))
-    watcher.inspectors[:] = kept
-    watcher.covered.update(model.modules())  # the start-up watcher leaves these modules to us
-    return closed
 
 
 def numerics_summary(inspector) -> dict:
