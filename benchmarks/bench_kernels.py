@@ -253,6 +253,34 @@ def bench_cuda_many(rounds, count=1000, nbytes=4 * KB):
 
 # ---------------------------------------------------------------------------------------------
 
+def bench_quant(rounds, nbytes, device="cpu"):
+    """numguard.quant_stats of each format against torch.sum of the same float32 tensor (1 thread on
+    the CPU), interleaved rounds, medians. Targets (issue: low-precision formats): <= 1.5x for the
+    per-tensor formats, <= 2x for the block formats."""
+    x = make_input(nbytes, torch.float32, device)
+    rows = []
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    for fmt, spec in numguard.schema.QUANT_FORMATS.items():
+        fns = {"sum": lambda t: torch.sum(t), "quant": lambda t, f=fmt: numguard.quant_stats(t, f)}
+        times = {k: [] for k in fns}
+        for _ in range(rounds):
+            for k, fn in fns.items():
+                fn(x)
+                sync()
+                t0 = time.perf_counter()
+                fn(x)
+                sync()
+                times[k].append(time.perf_counter() - t0)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        target = 1.5 if spec.block == 0 else 2.0
+        ratio = med["quant"] / med["sum"]
+        rows.append({"format": fmt, "bytes": nbytes, "device": device, "quant_s": med["quant"], "sum_s": med["sum"],
+                     "ratio": ratio, "target": target, "met": ratio <= target})
+        print(f"  quant_stats {fmt:<14} {human(nbytes)} {device}: {med['quant'] * 1e3:8.2f} ms, torch.sum "
+              f"{med['sum'] * 1e3:7.2f} ms: {ratio:6.1f}x (target <= {target:g}: {'met' if ratio <= target else 'NOT met'})")
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-mb", type=int, default=64, help="largest CPU size in MB (default 64; up to 512)")
@@ -268,7 +296,19 @@ def main(argv=None):
     group.add_argument("--cuda-only", action="store_true", help="skip the CPU sweep")
     group.add_argument("--cpu-only", action="store_true", help="skip the CUDA sweep")
     parser.add_argument("--output", default=os.path.join(RESULTS, "bench_kernels.json"))
+    parser.add_argument("--quant", action="store_true",
+                        help="only numguard.quant_stats of each format against torch.sum (16 MB float32)")
     args = parser.parse_args(argv)
+    if args.quant:
+        torch.set_num_threads(1)
+        print(f"numguard.quant_stats against torch.sum, 1 CPU thread; torch {torch.__version__}")
+        rows = bench_quant(args.rounds, 16 * MB)
+        if torch.cuda.is_available():
+            rows += bench_quant(args.rounds, 256 * MB, "cuda")
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output.replace("bench_kernels.json", "bench_quant.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        return
 
     native = numguard.backend() == "native"
     caps = numguard.ops.native_module().cpu_capabilities() if native else []

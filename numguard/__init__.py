@@ -10,10 +10,12 @@ from .inspector import DebugUnderflowOverflow, Inspector, detect_overflow, watch
 from . import dump  # noqa: E402  (numguard.dump.load / render_file for dump files)
 from .memory import find_executable_batch_size, is_out_of_memory  # noqa: E402
 from .patches import patched  # noqa: E402  (what numguard has changed in this process now)
+from .quant import QUANT_FIELDS, multi_tensor_quant_stats, quant_stats  # noqa: E402
 
 __all__ = ["STAT_FIELDS", "backend", "multi_tensor_stats", "record_", "tensor_stats",
            "watch", "Inspector", "DebugUnderflowOverflow", "detect_overflow", "NonFiniteError",
-           "find_executable_batch_size", "is_out_of_memory", "patched"]
+           "find_executable_batch_size", "is_out_of_memory", "patched",
+           "QUANT_FIELDS", "quant_stats", "multi_tensor_quant_stats"]
 __version__ = "0.1.0"
 
 

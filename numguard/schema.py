@@ -95,6 +95,46 @@ FAULT_PARAMETER_GRADIENT = "parameter gradient"  # parameter .grad before the op
 FAULT_KINDS = (FAULT_FORWARD, FAULT_GRADIENT, FAULT_PARAMETER_GRADIENT)
 
 # ---------------------------------------------------------------------------------------------
+# Low-precision what-if (numguard.quant_stats): float64[NUM_QUANT_FIELDS] per tensor, fields in
+# this order. Non-finite elements are counted and left out of every other field.
+QUANT_FIELDS = (
+    "nonfinite",         # NaN/Inf elements
+    "nonzero",           # finite non-zero elements
+    "underflow",         # non-zero elements whose quantized value is +-0
+    "saturated",         # elements beyond the format's max after scaling (the cast clamps them)
+    "amax",              # max |x| over the finite elements
+    "sq_error",          # sum over finite elements of (dequantized - x)^2
+    "blocks",            # scaling blocks (1 for a per-tensor format)
+    "saturated_blocks",  # blocks with at least one saturated element
+    "scale_exp_min",     # smallest / largest exponent of the (block) scales (+inf / -inf: none)
+    "scale_exp_max",
+)
+NUM_QUANT_FIELDS = len(QUANT_FIELDS)
+(Q_NONFINITE, Q_NONZERO, Q_UNDERFLOW, Q_SATURATED, Q_AMAX, Q_SQ_ERROR, Q_BLOCKS, Q_SATURATED_BLOCKS,
+ Q_SCALE_EXP_MIN, Q_SCALE_EXP_MAX) = range(NUM_QUANT_FIELDS)
+
+
+class QuantFormat(NamedTuple):
+    """A low-precision format numguard.quant_stats models."""
+    name: str
+    element: str        # the element format: a torch float8 dtype's name, or "float4_e2m1"
+    element_max: float  # its largest finite magnitude (the cast saturates there)
+    element_emax: int   # the exponent of its largest power of two (OCP MX's emax_elem)
+    block: int          # elements per scaling block (0: one per-tensor scale)
+    scale: str          # how blocks are scaled: "tensor", "e8m0" (OCP MX) or "e4m3" (NVFP4)
+
+
+QUANT_FORMATS = {f.name: f for f in (
+    QuantFormat("float8_e4m3fn", "float8_e4m3fn", 448.0, 8, 0, "tensor"),
+    QuantFormat("float8_e5m2", "float8_e5m2", 57344.0, 15, 0, "tensor"),
+    QuantFormat("mxfp8_e4m3", "float8_e4m3fn", 448.0, 8, 32, "e8m0"),   # OCP Microscaling v1.0
+    QuantFormat("mxfp8_e5m2", "float8_e5m2", 57344.0, 15, 32, "e8m0"),
+    QuantFormat("nvfp4", "float4_e2m1", 6.0, 2, 16, "e4m3"),
+)}
+E8M0_EXP_RANGE = (-127, 127)
+NVFP4_BLOCK_SCALE_MAX = 448.0  # the e4m3 block scale saturates there
+
+
 # Replica fingerprints (numguard.ops.multi_tensor_fingerprint; NOTE: [fingerprint] in
 # csrc/include/numguard/fingerprint.h): per tensor, the wrapping 64-bit sum over its elements of
 # mix64(bits ^ (flat_index * FINGERPRINT_INDEX_STEP)), mix64 being splitmix64's finalizer with

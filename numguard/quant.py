@@ -1,0 +1,207 @@
+"""What a low-precision format would do to a tensor: ``quant_stats(x, format, scale=None)``.
+
+One float64 record (``numguard.QUANT_FIELDS``) on ``x.device``: how many elements would underflow to
+zero, how many the cast would clamp at the format's max, the squared error of the round trip, and the
+range of the block scales. Formats (``numguard.schema.QUANT_FORMATS``), rounding to nearest, ties to
+even, every product and quotient in float32 (the input is taken as float32 first; its bf16, fp16 and
+fp32 values are exact there, and a float64 value beyond float32's range is float32's max):
+
+- ``float8_e4m3fn``, ``float8_e5m2``: ``q = cast(clamp(x * scale, +-max))``, dequantized ``q / scale``
+  (``scale`` defaults to 1.0; Transformer Engine's convention). One block; the scale's exponent is
+  both ends of the scale range.
+- ``mxfp8_e4m3``, ``mxfp8_e5m2`` (OCP Microscaling v1.0): blocks of 32 consecutive elements in
+  row-major order (the last block padded with zeros); shared exponent ``floor(log2(block amax)) -
+  emax`` (8 for e4m3, 15 for e5m2) clamped to E8M0's [-127, 127] (-127 for an all-zero block);
+  elements ``x / 2^shared`` cast with saturation, dequantized ``q * 2^shared``.
+- ``nvfp4``: blocks of 16; global scale ``g = 448 * 6 / amax(x)`` (or ``scale``; 1 when amax is 0);
+  block scale ``s = e4m3(block amax * g / 6)`` saturating at 448; elements ``e2m1(x * g / s)``
+  saturating at 6 (a block whose ``s`` rounds to 0 underflows whole); dequantized ``q * s / g``.
+
+Non-finite elements are counted in ``nonfinite`` and left out of everything else (a block's amax
+included). No host sync: every step is a device op, and ``scale`` may be a 0-dim tensor on the
+device. Built from torch operations, so it runs on any device and under ``torch.compile``; several
+passes over the tensor (see benchmarks/bench_kernels.py for what that costs).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from . import schema
+from .schema import QUANT_FIELDS, QUANT_FORMATS
+
+__all__ = ["QUANT_FIELDS", "QUANT_FORMATS", "multi_tensor_quant_stats", "quant_stats"]
+
+_FLOATING = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+# e2m1's magnitudes and the midpoints between neighbours; at a midpoint, rounding goes to the
+# neighbour with an even mantissa (0, 1, 2, 4), i.e. down from an even index, up from an odd one.
+_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def _check(x, format, scale):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"numguard.quant_stats: x must be a tensor, got {type(x).__name__}")
+    spec = QUANT_FORMATS.get(format) if isinstance(format, str) else None
+    if spec is None:
+        raise ValueError(f"numguard.quant_stats: unknown format {format!r}; use one of "
+                         f"{', '.join(repr(n) for n in QUANT_FORMATS)}")
+    if x.dtype not in _FLOATING:
+        raise TypeError(f"numguard.quant_stats: x is {x.dtype}; only floating tensors have a low-precision "
+                        f"what-if (cast integers to a float dtype first)")
+    if scale is not None and spec.scale == "e8m0":
+        raise ValueError(f"numguard.quant_stats: format {format!r} scales each block by its own power of two; "
+                         "it takes no scale (pass scale=None)")
+    if scale is not None:
+        if isinstance(scale, torch.Tensor):
+            if scale.numel() != 1 or not scale.dtype.is_floating_point:
+                raise ValueError(f"numguard.quant_stats: scale must be one floating value, got a {scale.dtype} "
+                                 f"tensor of shape {tuple(scale.shape)}")
+        elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not float(scale) > 0 \
+                or scale == float("inf"):
+            raise ValueError(f"numguard.quant_stats: scale must be a positive finite number, got {scale!r}")
+    return spec
+
+
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def _as_float32(x):
+    flat = x.detach().reshape(-1)
+    if hasattr(flat, "to_local"):  # a DTensor: this rank's shard
+        flat = flat.to_local().reshape(-1)
+    if flat.dtype == torch.float64:  # finite values beyond float32's range are its max: they saturate
+        flat = flat.clamp(-_F32_MAX, _F32_MAX)
+    return flat.to(torch.float32)
+
+
+def _scale_tensor(scale, device, default=None):
+    if scale is None:
+        return default
+    if isinstance(scale, torch.Tensor):
+        return scale.detach().reshape(()).to(device=device, dtype=torch.float32)
+    return torch.tensor(float(scale), dtype=torch.float32, device=device)
+
+
+def _cast(v, element, element_max):
+    """v (float32) clamped to +-element_max and rounded to the element format (as float32)."""
+    v = v.clamp(-element_max, element_max)
+    if element == "float4_e2m1":
+        return _round_e2m1(v)
+    return v.to(getattr(torch, element)).to(torch.float32)
+
+
+def _round_e2m1(v):
+    grid = torch.tensor(_E2M1_GRID, dtype=torch.float32, device=v.device)
+    mid = torch.tensor(_E2M1_MIDPOINTS, dtype=torch.float32, device=v.device)
+    a = v.abs()
+    k = torch.searchsorted(mid, a)  # midpoints below a: the grid index, rounding ties down
+    at_mid = a == mid[k.clamp(max=len(_E2M1_MIDPOINTS) - 1)]
+    k = k + (at_mid & (k < len(_E2M1_MIDPOINTS)) & (k % 2 == 1)).to(k.dtype)  # ties to the even mantissa
+    return torch.copysign(grid[k], v)
+
+
+def _exponent(v):
+    """floor(log2(v)) for v > 0 (exact: frexp's exponent), as float64."""
+    return (torch.frexp(v)[1] - 1).to(torch.float64)
+
+
+def _blocks(v, size):
+    pad = (-v.numel()) % size
+    if pad:
+        v = torch.cat([v, v.new_zeros(pad)])
+    return v.view(-1, size)
+
+
+def quant_stats(x: torch.Tensor, format: str, scale=None) -> torch.Tensor:
+    """float64[len(QUANT_FIELDS)] on x.device: what casting `x` to `format` would do (module
+    docstring). Raises ValueError / TypeError naming a bad format, dtype or scale."""
+    spec = _check(x, format, scale)
+    device = x.device
+    exact = x.detach().reshape(-1).to(torch.float64)
+    finite = torch.isfinite(exact)
+    flat = _as_float32(x)
+    xf = torch.where(finite, flat, torch.zeros((), dtype=torch.float32, device=device))
+    exact = torch.where(finite, exact, torch.zeros((), dtype=torch.float64, device=device))
+    nonzero = xf != 0
+    amax = xf.abs().amax() if xf.numel() else torch.zeros((), dtype=torch.float32, device=device)
+    inf = torch.tensor(float("inf"), dtype=torch.float64, device=device)
+    emax_e = spec.element_max
+    if spec.scale == "tensor":
+        s = _scale_tensor(scale, device, torch.ones((), dtype=torch.float32, device=device))
+        v = xf * s
+        q = _cast(v, spec.element, emax_e)
+        deq = q.to(torch.float64) / s.to(torch.float64)
+        saturated = v.abs() > emax_e
+        n_blocks = torch.tensor(1.0 if x.numel() else 0.0, dtype=torch.float64, device=device)
+        sat_blocks = saturated.any().to(torch.float64) if x.numel() else n_blocks * 0
+        exp = _exponent(s)
+        exp_min = exp_max = exp if x.numel() else None
+    elif spec.scale == "e8m0":
+        blocks = _blocks(xf, spec.block)
+        bamax = blocks.abs().amax(dim=1)
+        lo, hi = schema.E8M0_EXP_RANGE
+        shared = torch.where(bamax > 0, (torch.frexp(bamax)[1] - 1 - spec.element_emax).clamp(lo, hi),
+                             torch.full_like(bamax, lo, dtype=torch.int32))
+        v = torch.ldexp(blocks, (-shared).to(torch.float32).unsqueeze(1))
+        q = _cast(v, spec.element, emax_e)
+        deq = torch.ldexp(q.to(torch.float64), shared.to(torch.float64).unsqueeze(1)).reshape(-1)[:xf.numel()]
+        saturated_b = v.abs() > emax_e
+        saturated = saturated_b.reshape(-1)[:xf.numel()]
+        q = q.reshape(-1)[:xf.numel()]
+        n_blocks = torch.tensor(float(blocks.shape[0]), dtype=torch.float64, device=device)
+        sat_blocks = saturated_b.any(dim=1).sum().to(torch.float64)
+        exp = shared.to(torch.float64)
+        exp_min, exp_max = (exp.amin(), exp.amax()) if blocks.shape[0] else (None, None)
+    else:  # nvfp4
+        one = torch.ones((), dtype=torch.float32, device=device)
+        g = _scale_tensor(scale, device)
+        if g is None:
+            # A tensor numerator: `number / tensor` is computed as number * (1 / tensor), two roundings.
+            top = torch.full((), schema.NVFP4_BLOCK_SCALE_MAX * emax_e, dtype=torch.float32, device=device)
+            g = torch.where(amax > 0, top / torch.where(amax > 0, amax, one), one)
+        blocks = _blocks(xf, spec.block)
+        bamax = blocks.abs().amax(dim=1)
+        s = (bamax * g / emax_e).clamp(max=schema.NVFP4_BLOCK_SCALE_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+        live = s > 0
+        v = torch.where(live.unsqueeze(1), blocks * g / torch.where(live, s, one).unsqueeze(1),
+                        torch.zeros((), dtype=torch.float32, device=device))
+        q = _cast(v, spec.element, emax_e)
+        deq = (q.to(torch.float64) * s.to(torch.float64).unsqueeze(1) / g.to(torch.float64)).reshape(-1)[:xf.numel()]
+        saturated_b = v.abs() > emax_e
+        saturated = saturated_b.reshape(-1)[:xf.numel()]
+        q = q.reshape(-1)[:xf.numel()]
+        n_blocks = torch.tensor(float(blocks.shape[0]), dtype=torch.float64, device=device)
+        sat_blocks = saturated_b.any(dim=1).sum().to(torch.float64)
+        exp = torch.where(live, _exponent(torch.where(live, s, one)), inf)
+        exp_min = exp.amin() if blocks.shape[0] else None
+        exp_max = torch.where(live, exp, -inf).amax() if blocks.shape[0] else None
+    underflow = nonzero & (q == 0)
+    err = (deq - exact).square()
+    fields = [
+        (~finite).sum().to(torch.float64),
+        nonzero.sum().to(torch.float64),
+        underflow.sum().to(torch.float64),
+        (saturated & finite).sum().to(torch.float64),
+        exact.abs().amax() if exact.numel() else torch.zeros((), dtype=torch.float64, device=device),
+        torch.where(finite, err, torch.zeros((), dtype=torch.float64, device=device)).sum(),
+        n_blocks,
+        sat_blocks,
+        inf if exp_min is None else exp_min.to(torch.float64),
+        -inf if exp_max is None else exp_max.to(torch.float64),
+    ]
+    return torch.stack([f.reshape(()) for f in fields])
+
+
+def multi_tensor_quant_stats(xs: Sequence[torch.Tensor], format: str, scales=None) -> torch.Tensor:
+    """float64[len(xs), len(QUANT_FIELDS)]: quant_stats of each tensor (on the first one's device);
+    `scales`: one per tensor, or None."""
+    xs = list(xs)
+    if scales is not None and len(scales) != len(xs):
+        raise ValueError(f"numguard.multi_tensor_quant_stats: {len(scales)} scales for {len(xs)} tensors")
+    if not xs:
+        return torch.empty((0, len(QUANT_FIELDS)), dtype=torch.float64)
+    device = xs[0].device
+    rows = [quant_stats(x, format, None if scales is None else scales[i]).to(device) for i, x in enumerate(xs)]
+    return torch.stack(rows)
