@@ -27,6 +27,11 @@ TORCH_LIBRARY(numguard, m) {
   // ring: float64[R, 8]; state: int64[4] (see StateField in numguard/stats_reduce.h).
   m.def("record_(Tensor(a!) ring, Tensor(b!) state, Tensor[] xs, int position, float headroom, int context=0) -> ()");
 
+  // float64[10] record (numguard.QUANT_FIELDS) of what casting x to a low-precision format would do
+  // (format: the index of numguard.schema.QUANT_FORMATS; scale used when has_scale). CPU only:
+  // numguard.quant computes it from torch operations on other devices.
+  m.def("quant_stats(Tensor x, int format, float scale, bool has_scale) -> Tensor");
+
   // --- replica fingerprints (NOTE: [fingerprint] in numguard/fingerprint.h) ---
   // int64[len(xs)] on the tensors' device: the exact 64-bit digest of each tensor's bits (uint64
   // stored as int64), in one pass (one launch per 64 tensors on CUDA). Never synchronizes.

@@ -19,8 +19,8 @@ fp32 values are exact there, and a float64 value beyond float32's range is float
 
 Non-finite elements are counted in ``nonfinite`` and left out of everything else (a block's amax
 included). No host sync: every step is a device op, and ``scale`` may be a 0-dim tensor on the
-device. Built from torch operations, so it runs on any device and under ``torch.compile``; several
-passes over the tensor (see benchmarks/bench_kernels.py for what that costs).
+device. On the CPU the native kernel (csrc/cpu/quant_ops.cpp) does it; elsewhere, and for float64
+inputs, torch operations do (any device, ``torch.compile``; several passes over the tensor).
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from typing import Sequence
 
 import torch
 
+from . import ops as _ops
 from . import schema
 from .schema import QUANT_FIELDS, QUANT_FORMATS
 
@@ -114,10 +115,38 @@ def _blocks(v, size):
     return v.view(-1, size)
 
 
+_CODES = {name: code for code, name in enumerate(QUANT_FORMATS)}  # csrc QuantFormatCode, same order
+_NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _native_op():
+    native = _ops.native_module()
+    if native is None or not hasattr(torch.ops.numguard, "quant_stats"):
+        return None
+    return torch.ops.numguard.quant_stats.default
+
+
+if _ops.native_module() is not None and hasattr(torch.ops.numguard, "quant_stats"):
+    @torch.library.register_fake("numguard::quant_stats")
+    def _quant_stats_fake(x, format, scale, has_scale):
+        return x.new_empty((len(QUANT_FIELDS),), dtype=torch.float64)
+
+
 def quant_stats(x: torch.Tensor, format: str, scale=None) -> torch.Tensor:
     """float64[len(QUANT_FIELDS)] on x.device: what casting `x` to `format` would do (module
     docstring). Raises ValueError / TypeError naming a bad format, dtype or scale."""
     spec = _check(x, format, scale)
+    op = _native_op()
+    if (op is not None and x.device.type == "cpu" and x.dtype in _NATIVE_DTYPES and type(x) is torch.Tensor
+            and (scale is None or not isinstance(scale, torch.Tensor) or scale.device.type == "cpu")):
+        # The CPU kernel (csrc/cpu/quant_ops.cpp): one pass per block, the same arithmetic.
+        value = 1.0 if scale is None else float(scale)
+        return op(x, _CODES[format], value, scale is not None)
+    return _torch_quant_stats(x, spec, scale)
+
+
+def _torch_quant_stats(x, spec, scale):
+    """quant_stats from torch operations (any device; several passes)."""
     device = x.device
     exact = x.detach().reshape(-1).to(torch.float64)
     finite = torch.isfinite(exact)

@@ -214,3 +214,29 @@ def test_nvfp4_ties_round_to_the_even_mantissa():
     assert got["underflow"] == 3 and got["saturated"] == 0
     assert got["sq_error"] == math.fsum((a - b) ** 2 for a, b in zip(rounded, x.tolist()))
     assert_matches(quant_stats(x, "nvfp4", scale=1.0), reference(x.tolist(), "nvfp4", 1.0), "ties")
+
+
+@pytest.mark.skipif(numguard.backend() != "native", reason="the native kernels are not loaded")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_cpu_kernel_agrees_with_the_torch_operations(fmt, dtype):
+    """The native CPU kernel and the torch-operations path (any other device) give the same record,
+    across chunk boundaries and thread counts (sq_error to float64 rounding: a different order)."""
+    from numguard.quant import _torch_quant_stats
+    spec = schema.QUANT_FORMATS[fmt]
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(200_003, generator=gen) * torch.exp2(torch.randint(-12, 12, (200_003,), generator=gen)))
+    x[::97] = 0.0
+    x[5] = float("nan")
+    x = x.to(dtype)
+    want = _torch_quant_stats(x, spec, None)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            got = quant_stats(x, fmt)
+            keep = [i for i, name in enumerate(schema.QUANT_FIELDS) if name != "sq_error"]
+            assert torch.equal(got[keep], want[keep]), (got, want)
+            assert got[schema.Q_SQ_ERROR].item() == pytest.approx(want[schema.Q_SQ_ERROR].item(), rel=1e-9)
+    finally:
+        torch.set_num_threads(threads)
