@@ -79,7 +79,8 @@ def pytest_cmd(py, *args):
 def phases(py: str, rehearse: bool) -> list[Phase]:
     arch = "CPU" if rehearse else "CUDA " + os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0")
     build = [py, "setup.py", "-q", "build_ext", "--inplace"]
-    kernel_files = ["tests/test_kernels.py", "tests/test_cross_rank_fingerprint.py", "tests/test_cuda_streams.py"]
+    kernel_files = ["tests/test_kernels.py", "tests/test_cross_rank_fingerprint.py", "tests/test_cuda_streams.py",
+                    "tests/test_quant_stats.py"]
     torchrun = [py, "-m", "torch.distributed.run", "--standalone"]
     doctor = ["-m", "numguard", "doctor", "--timeout", "60", "--json", os.path.join(RESULTS, "doctor.json")]
     return [

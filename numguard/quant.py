@@ -35,10 +35,6 @@ from .schema import QUANT_FIELDS, QUANT_FORMATS
 __all__ = ["QUANT_FIELDS", "QUANT_FORMATS", "multi_tensor_quant_stats", "quant_stats"]
 
 _FLOATING = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
-# e2m1's magnitudes and the midpoints between neighbours; at a midpoint, rounding goes to the
-# neighbour with an even mantissa (0, 1, 2, 4), i.e. down from an even index, up from an odd one.
-_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 def _check(x, format, scale):
@@ -82,7 +78,7 @@ def _scale_tensor(scale, device, default=None):
         return default
     if isinstance(scale, torch.Tensor):
         return scale.detach().reshape(()).to(device=device, dtype=torch.float32)
-    return torch.tensor(float(scale), dtype=torch.float32, device=device)
+    return torch.full((), float(scale), dtype=torch.float32, device=device)
 
 
 def _cast(v, element, element_max):
@@ -94,13 +90,13 @@ def _cast(v, element, element_max):
 
 
 def _round_e2m1(v):
-    grid = torch.tensor(_E2M1_GRID, dtype=torch.float32, device=v.device)
-    mid = torch.tensor(_E2M1_MIDPOINTS, dtype=torch.float32, device=v.device)
+    """NOTE: [quant rounding] (csrc/include/numguard/stats_reduce.h) for e2m1: the grid step at
+    |v| is 2^(max(floor(log2 |v|), 0) - 1), and torch.round rounds halves to even. Device ops only
+    (no constant copied from the host: that copy would wait for the device)."""
     a = v.abs()
-    k = torch.searchsorted(mid, a)  # midpoints below a: the grid index, rounding ties down
-    at_mid = a == mid[k.clamp(max=len(_E2M1_MIDPOINTS) - 1)]
-    k = k + (at_mid & (k < len(_E2M1_MIDPOINTS)) & (k % 2 == 1)).to(k.dtype)  # ties to the even mantissa
-    return torch.copysign(grid[k], v)
+    e = (torch.frexp(a)[1] - 1).clamp(min=0)  # frexp(0) gives 0: e = 0, and 0 rounds to 0
+    step = torch.ldexp(torch.ones_like(a), (e - 1).to(a.dtype))
+    return torch.copysign(torch.round(a / step) * step, v)
 
 
 def _exponent(v):
@@ -155,7 +151,7 @@ def _torch_quant_stats(x, spec, scale):
     exact = torch.where(finite, exact, torch.zeros((), dtype=torch.float64, device=device))
     nonzero = xf != 0
     amax = xf.abs().amax() if xf.numel() else torch.zeros((), dtype=torch.float32, device=device)
-    inf = torch.tensor(float("inf"), dtype=torch.float64, device=device)
+    inf = torch.full((), float("inf"), dtype=torch.float64, device=device)
     emax_e = spec.element_max
     if spec.scale == "tensor":
         s = _scale_tensor(scale, device, torch.ones((), dtype=torch.float32, device=device))
@@ -163,7 +159,7 @@ def _torch_quant_stats(x, spec, scale):
         q = _cast(v, spec.element, emax_e)
         deq = q.to(torch.float64) / s.to(torch.float64)
         saturated = v.abs() > emax_e
-        n_blocks = torch.tensor(1.0 if x.numel() else 0.0, dtype=torch.float64, device=device)
+        n_blocks = torch.full((), 1.0 if x.numel() else 0.0, dtype=torch.float64, device=device)
         sat_blocks = saturated.any().to(torch.float64) if x.numel() else n_blocks * 0
         exp = _exponent(s)
         exp_min = exp_max = exp if x.numel() else None
@@ -179,7 +175,7 @@ def _torch_quant_stats(x, spec, scale):
         saturated_b = v.abs() > emax_e
         saturated = saturated_b.reshape(-1)[:xf.numel()]
         q = q.reshape(-1)[:xf.numel()]
-        n_blocks = torch.tensor(float(blocks.shape[0]), dtype=torch.float64, device=device)
+        n_blocks = torch.full((), float(blocks.shape[0]), dtype=torch.float64, device=device)
         sat_blocks = saturated_b.any(dim=1).sum().to(torch.float64)
         exp = shared.to(torch.float64)
         exp_min, exp_max = (exp.amin(), exp.amax()) if blocks.shape[0] else (None, None)
@@ -201,7 +197,7 @@ def _torch_quant_stats(x, spec, scale):
         saturated_b = v.abs() > emax_e
         saturated = saturated_b.reshape(-1)[:xf.numel()]
         q = q.reshape(-1)[:xf.numel()]
-        n_blocks = torch.tensor(float(blocks.shape[0]), dtype=torch.float64, device=device)
+        n_blocks = torch.full((), float(blocks.shape[0]), dtype=torch.float64, device=device)
         sat_blocks = saturated_b.any(dim=1).sum().to(torch.float64)
         exp = torch.where(live, _exponent(torch.where(live, s, one)), inf)
         exp_min = exp.amin() if blocks.shape[0] else None

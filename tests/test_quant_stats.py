@@ -201,8 +201,10 @@ def test_cuda_matches_cpu_without_host_sync(fmt):
     xc = x.cuda()
     torch.cuda.synchronize()
     with no_host_sync(xc.device):
-        got = quant_stats(xc, fmt)
-    assert torch.equal(got.cpu(), want)
+        got = quant_stats(xc, fmt).cpu()
+    keep = [i for i, name in enumerate(schema.QUANT_FIELDS) if name != "sq_error"]
+    assert torch.equal(got[keep], want[keep]), (got, want)  # the sum of squares: another order
+    assert got[schema.Q_SQ_ERROR].item() == pytest.approx(want[schema.Q_SQ_ERROR].item(), rel=1e-9)
 
 
 def test_nvfp4_ties_round_to_the_even_mantissa():
