@@ -5,7 +5,7 @@
     insp = numguard.watch(model)        # module hooks, device-side ring, report on NaN/Inf
 """
 from .ops import STAT_FIELDS, backend, multi_tensor_stats, record_, tensor_stats
-from .errors import NonFiniteError
+from .errors import NonFiniteError, SpikeError, SpikeWarning
 from .inspector import DebugUnderflowOverflow, Inspector, detect_overflow, watch
 from . import dump  # noqa: E402  (numguard.dump.load / render_file for dump files)
 from .memory import find_executable_batch_size, is_out_of_memory  # noqa: E402
@@ -14,6 +14,7 @@ from .quant import QUANT_FIELDS, multi_tensor_quant_stats, quant_stats  # noqa: 
 
 __all__ = ["STAT_FIELDS", "backend", "multi_tensor_stats", "record_", "tensor_stats",
            "watch", "Inspector", "DebugUnderflowOverflow", "detect_overflow", "NonFiniteError",
+           "SpikeWarning", "SpikeError",
            "find_executable_batch_size", "is_out_of_memory", "patched",
            "QUANT_FIELDS", "quant_stats", "multi_tensor_quant_stats"]
 __version__ = "0.1.0"

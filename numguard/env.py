@@ -499,6 +499,22 @@ def _replicas(value):
                     also=": check the replicas every N steps, or 0 to turn the check off")
 
 
+def _spikes(value):
+    if value is True or value is False or (type(value) is int and value in (0, 1)):
+        return "warn" if value else False
+    if value in ("warn", "raise"):
+        return value
+    raise OptionError("spikes", value, "use True (or \"warn\"), \"raise\" or False")
+
+
+def _spikes_text(text):
+    if text in ("0", "1"):
+        return "warn" if text == "1" else False
+    if text.lower() in ("warn", "raise"):
+        return text.lower()
+    raise _Invalid()
+
+
 @dataclass(frozen=True)
 class WatchOption:
     """One watch() option, declared once: its name, default, check, meaning and variable. The
@@ -570,6 +586,11 @@ WATCH_OPTIONS = (
                 "every N steps, check that the data-parallel replicas of the parameters and their "
                 "gradients are bitwise identical on every rank (numguard.distributed.replicas; 0: off)",
                 "NUMGUARD_REPLICA_CHECK"),
+    WatchOption("spikes", False, _spikes,
+                "find a module's value far outside its own recent range (numguard.inspector.spikes: the "
+                "abs max of its outputs, and of its gradients with backward=True): `\"warn\"` (or True) "
+                "gives a numguard.SpikeWarning, `\"raise\"` a numguard.SpikeError; False: off",
+                "NUMGUARD_SPIKES"),
 )
 _OPTIONS = {o.name: o for o in WATCH_OPTIONS}
 
@@ -663,6 +684,9 @@ VARIABLES = (
     _setting("NUMGUARD_REPLAY",
              "`0`/`1`: keep each module's last inputs and, after a trip, re-run the first bad module "
              "in operation mode to name the operation", _SWITCH, _switch),
+    _setting("NUMGUARD_SPIKES",
+             "`0`/`1`/`warn`/`raise`: find a module's value far outside its own recent range (`1`: warn)",
+             "0, 1, warn or raise (any case)", _spikes_text),
     # --- cross-rank numerics (numguard.distributed.replicas) ---
     _setting("NUMGUARD_REPLICA_CHECK",
              "every N steps, check that the data-parallel replicas of the parameters and their "

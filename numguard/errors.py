@@ -51,5 +51,23 @@ class HeadroomWarning(UserWarning):
     """A low-precision tensor came close to its dtype's largest finite value."""
 
 
+class SpikeWarning(UserWarning):
+    """watch(spikes=True): a module's value jumped far outside its own recent range (NOTE: [spike
+    rule] in numguard.inspector.spikes). `spike`: module, class, quantity, value, baseline, factor,
+    batch, rank."""
+
+    def __init__(self, message, spike=None):
+        super().__init__(message)
+        self.spike = spike
+
+
+class SpikeError(RuntimeError):
+    """watch(spikes="raise"): as SpikeWarning, raised; `spike` says where."""
+
+    def __init__(self, message, spike=None):
+        super().__init__(message)
+        self.spike = spike
+
+
 class InspectorWarning(UserWarning):
     """numguard could not watch part of a model (it stops watching that part; training goes on)."""

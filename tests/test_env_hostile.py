@@ -83,6 +83,8 @@ REFERENCE = {  # variable -> (reading of the stripped text, default)
     # Trimmed and any case, as csrc/cpu/dispatch.cpp reads it too.
     "NUMGUARD_CPU_ISA": (lambda t: t.lower() if t.lower() in ("avx512", "avx2", "baseline") else ERROR, None),
     "NUMGUARD_REPLICA_CHECK": (_whole(0, env.MAX_BATCH_NUMBER), 0),
+    "NUMGUARD_SPIKES": (lambda t: {"0": False, "1": "warn"}.get(t, t.lower() if t.lower() in ("warn", "raise")
+                                                               else ERROR), False),
 }
 
 

@@ -74,6 +74,12 @@ def _dump_dir(v):
     return v if isinstance(v, (str, pathlib.PurePath)) and str(v).strip() else ERROR
 
 
+def _spikes(v):
+    if isinstance(v, bool) or (type(v) is int and v in (0, 1)):
+        return "warn" if v else False
+    return v if isinstance(v, str) and v in ("warn", "raise") else ERROR
+
+
 def _report_to(v):
     if v is None or callable(getattr(v, "write", None)) or (callable(v) and not isinstance(v, (str, bytes))):
         return v
@@ -96,6 +102,7 @@ RULES = {
     "ops": _flag,
     "replay": _flag,
     "replicas": _int_in(0, env.MAX_BATCH_NUMBER),
+    "spikes": _spikes,
 }
 
 

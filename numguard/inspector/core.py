@@ -20,7 +20,7 @@ import torch
 from .. import env
 from .. import ownership as _ownership
 from .. import process as _process
-from ..errors import AbortAfterBatch, InspectorWarning, NonFiniteError
+from ..errors import AbortAfterBatch, InspectorWarning, NonFiniteError, SpikeError, SpikeWarning
 from . import frames as _frames
 from . import checks as _checks
 from .checks import FlagReader
@@ -30,6 +30,8 @@ from .options import STDOUT, WatchOptions
 from .history import ModuleHistory
 from .operations import OperationRecorder
 from . import replay as _replay
+from . import spikes as _spikes_mod
+from .spikes import SpikeDetector
 from .ring import FrameRing
 from .trips import Reporter
 from .weights import WeightTable
@@ -130,6 +132,7 @@ class Inspector(ModuleHooks):
         self._backward_watch = None
         self._ops = None
         self._history = None              # per-module device history for advice() (numguard.inspector.history)
+        self._spikes = None               # spikes=...: the detector on that history (numguard.inspector.spikes)
         self._keeper = None               # replay=True: each module's last inputs (numguard.inspector.replay)
         self._registered = []             # weak refs of the modules counted in _watched
         self._created_at = _caller_site()
@@ -160,6 +163,8 @@ class Inspector(ModuleHooks):
             if opts.backward:
                 self._watch_gradients(model)
             self._history = ModuleHistory(self._owners, self._ring.device)
+            if opts.spikes:
+                self._spikes = SpikeDetector(opts.spikes)
             if opts.replay:
                 self._keep_inputs()
             self._reporter.annotate = self._annotate_report
@@ -503,6 +508,8 @@ class Inspector(ModuleHooks):
                                        on_trip="warn" if self.options.on_trip == "raise" else self.options.on_trip)
 
     def _handle(self, status):
+        if self._spikes is not None and status.values[_spikes_mod.SPIKE_CODE]:
+            self._spike_found(status)
         host_ring = None
         if status.headroom_hit:
             host_ring = self._ring.host_copy()
@@ -522,7 +529,7 @@ class Inspector(ModuleHooks):
     def _guarded(self, fn, *args):
         try:
             return fn(*args)
-        except (NonFiniteError, AbortAfterBatch):
+        except (NonFiniteError, AbortAfterBatch, SpikeError):  # what the user asked numguard to raise
             raise
         except Exception as exc:
             if _is_distributed_failure(exc):
@@ -557,6 +564,22 @@ class Inspector(ModuleHooks):
         data["loss_scale"], data["loss_scale_source"] = scale, source
         return data
 
+    def _spike_found(self, status):
+        """A spike the check read (NOTE: [spike rule]): re-arm the words, then warn or raise."""
+        spike = self._spikes.read(status.values, self._owners, _process.rank(default=None))
+        self._ring.state_buf[_spikes_mod.SPIKE_WORDS].fill_(0)
+        if spike is None:
+            return
+        text = _spikes_mod.message(spike)
+        if self._spikes.mode == "raise":
+            raise SpikeError(text, spike)
+        warnings.warn(SpikeWarning(text, spike), stacklevel=2)
+
+    def spikes(self) -> list:
+        """Every spike found so far (spikes=True), oldest first: dicts of module, class, quantity,
+        value, baseline, factor, batch, rank."""
+        return [] if self._spikes is None else list(self._spikes.found)
+
     def _fold_history(self, boundary):
         try:
             self._history.fold(self._ring, self._ring.last_check_frames, boundary)
@@ -564,6 +587,16 @@ class Inspector(ModuleHooks):
             self._history = None
             self._warn_once(("history",), f"numguard: the per-module history stopped after an internal error "
                                           f"({type(exc).__name__}: {exc}); advice() has no data from now on")
+            self._spikes = None
+            return
+        if self._spikes is not None:
+            try:
+                frames = self._ring.frames[self._ring.last_check_frames:boundary]
+                self._spikes.after_fold(self._history, self._ring.state_buf, frames)
+            except Exception as exc:  # spikes are lost, never the job
+                self._spikes = None
+                self._warn_once(("spikes",), f"numguard: spike detection stopped after an internal error "
+                                             f"({type(exc).__name__}: {exc}); NaN/Inf are still watched")
 
     def _annotate_report(self, report, offender):
         """Fields added to a trip's report before it is rendered: the module history, and with

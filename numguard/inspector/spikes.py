@@ -1,0 +1,145 @@
+"""Spikes: a module's value far outside its own recent range, found on the device at each healthy
+check (``watch(model, spikes=True)``; NUMGUARD_SPIKES).
+
+NOTE: [spike rule]
+What is watched is what the per-module history (numguard.inspector.history) already holds for
+every batch: the abs max of each module's outputs and, with ``backward=True``, of the gradients
+its backward produced. After each fold, the newest batch's value v of each module is compared
+with the module's own baseline, the other batches of the history window (up to 63):
+
+    spike  <=>  log v - median(log baseline) > max(K * 1.4826 * MAD(log baseline), log MIN_FACTOR)
+
+armed once the baseline holds ARM values. Why this rule: a median and a MAD ignore the outliers
+they are meant to find (a mean and a standard deviation would be dragged by the very spike), and
+on log values a factor counts the same at every scale. 1.4826 * MAD estimates the standard
+deviation of normally distributed values, so K = 6 robust sigmas keeps false alarms far below
+one per run even with thousands of modules per batch; and the floor says that a value within
+MIN_FACTOR = 10 of its median is no spike however flat the module's history is (a module whose
+abs max never moves has a MAD of 0). Warm-up and decay schedules move these values by percents
+per step, the window moves with them, and a 10x jump in one step is what a fault (a bit flip in
+an exponent, a bad batch) looks like. A gradient's abs max is one element of a heavy-tailed
+distribution: in a healthy 300-step run (tests/test_spikes.py) it jumped 11.5x its median, so its
+floor is MIN_GRADIENT_FACTOR = 100 (an exponent bit flip changes a value by 2^8 or more).
+
+The verdict rides on the one read per check: the first spike in time (the forwards' outputs in
+the order they returned, then the gradients in the backward's order) is written into free words of the ring's state buffer (SPIKE_WORDS),
+which the next check reads with the trip flag; no host sync is added.
+"""
+from __future__ import annotations
+
+import math
+import struct
+
+import torch
+
+from .history import GRAD_MAX, OUT_MAX
+from .ring import host_to_device, outside_inference_mode
+
+K = 6.0
+MAD_TO_SIGMA = 1.4826
+MIN_FACTOR = 10.0            # outputs
+MIN_GRADIENT_FACTOR = 100.0  # gradients: their abs max is heavy-tailed even in healthy training
+ARM = 16
+# State buffer words (numguard.inspector.ring._STATE_BUFFER): the spike's (row * 2 + field) + 1
+# (0: none), then its value and its baseline as float64 bits.
+SPIKE_CODE, SPIKE_VALUE, SPIKE_BASELINE = 5, 6, 7
+SPIKE_WORDS = slice(SPIKE_CODE, SPIKE_BASELINE + 1)
+QUANTITIES = ("output abs max", "gradient abs max")
+_FIELDS = (OUT_MAX, GRAD_MAX)
+
+
+class SpikeDetector:
+    """The device side of the rule (NOTE: [spike rule]) and the host side that reads its verdict."""
+
+    def __init__(self, mode):
+        self.mode = mode          # "warn" or "raise"
+        self.found = []           # every spike reported, as dicts (Inspector.spikes())
+        self.pending_batch = None  # the batch the last fold tested (its verdict is read next check)
+        self._rank_of_row = None   # device int64[M]: each module's place in execution order
+        self._floor = None         # device float64[2]: log of the outputs' and gradients' floors
+
+    @outside_inference_mode
+    def _execution_order(self, frames, modules, device):
+        """Each module's place in execution order, from the frames of one fold (the order their
+        forwards returned: a layer before the block and the model that contain it); modules with
+        no forward frame there come last. Computed once: a model runs its modules in one order."""
+        rank = {}
+        for f in frames:
+            row = f.owner.index
+            if f.section == "forward" and 0 <= row < modules and row not in rank:
+                rank[row] = len(rank)
+        order = [rank.get(row, modules + row) for row in range(modules)]
+        return host_to_device(torch.tensor(order, dtype=torch.int64), device)
+
+    def after_fold(self, history, state_buf, frames=()):
+        """Test the newest batch of `history` and write a first spike (in execution order) into
+        `state_buf` unless one is already waiting to be read. Device ops only (the execution order
+        is copied to the device once, without waiting)."""
+        batches = [(b, slot) for slot, b in enumerate(history.slot_batch) if b is not None]
+        if len(batches) <= ARM:
+            return
+        if self._rank_of_row is None or self._rank_of_row.device != history.table.device:
+            self._rank_of_row = self._execution_order(frames, history.table.shape[0], history.table.device)
+        newest, slot = max(batches)
+        table = history.table                                  # [modules, window, fields]
+        values = table[:, :, list(_FIELDS)]                     # [M, W, 2]
+        v = values[:, slot, :]                                  # [M, 2]
+        # The baseline: every other slot (a mask, not a boolean index, which would wait for the device).
+        others = (torch.arange(table.shape[1], device=table.device) != slot).view(1, -1, 1)
+        base = values
+        valid = (base > 0) & torch.isfinite(base) & others
+        logs = torch.where(valid, base.clamp(min=1e-300).log(), torch.full_like(base, math.nan))
+        med = logs.nanmedian(dim=1).values                      # [M, 2] (NaN: no baseline)
+        mad = (logs - med.unsqueeze(1)).abs().nanmedian(dim=1).values
+        armed = valid.sum(dim=1) >= ARM
+        lv = torch.where((v > 0) & torch.isfinite(v), v.clamp(min=1e-300).log(), torch.full_like(v, -math.inf))
+        if self._floor is None or self._floor.device != mad.device:
+            floor = torch.tensor([math.log(MIN_FACTOR), math.log(MIN_GRADIENT_FACTOR)], dtype=mad.dtype)
+            self._floor = host_to_device(floor, mad.device)
+        margin = torch.maximum(K * MAD_TO_SIGMA * torch.nan_to_num(mad, nan=0.0), self._floor)
+        spike = armed & ((lv - med) > margin)
+        m = spike.shape[0]
+        # Order in time: every forward output (in the order the forwards returned), then the
+        # gradients (the backward runs the modules in reverse). Ranks are below 2m.
+        rank = self._rank_of_row.view(m, 1)
+        order = torch.cat([rank, 4 * m - rank], dim=1)
+        big = 4 * m + 1
+        first_order = torch.where(spike, order, torch.full_like(order, big)).amin()
+        hit = first_order < big
+        codes = torch.arange(m * 2, device=spike.device).view(m, 2)
+        first = torch.where(spike & (order == first_order), codes, torch.full_like(codes, m * 2)).amin()
+        # gather, not v[row, field]: indexing with 0-dim tensors reads them on the host
+        at = first.clamp(max=m * 2 - 1).view(1)
+        value = v.reshape(-1).gather(0, at).view(())
+        baseline = med.reshape(-1).gather(0, at).view(()).exp()
+        free = state_buf[SPIKE_CODE] == 0
+        word = torch.where(hit & free, first + 1, state_buf[SPIKE_CODE])
+        bits = torch.stack([value, baseline]).to(torch.float64).view(torch.int64)
+        state_buf[SPIKE_CODE].copy_(word)
+        state_buf[SPIKE_VALUE:SPIKE_BASELINE + 1].copy_(torch.where(hit & free, bits, state_buf[SPIKE_VALUE:]))
+        self.pending_batch = newest
+
+    def read(self, values, owners, rank):
+        """The spike a check read (its state words `values`), as a dict, or None."""
+        code = values[SPIKE_CODE] if len(values) > SPIKE_CODE else 0
+        if not code:
+            return None
+        code -= 1
+        row, field = divmod(code, 2)
+        value, baseline = struct.unpack("<2d", struct.pack("<2q", *values[SPIKE_VALUE:SPIKE_BASELINE + 1]))
+        owner = owners[row] if 0 <= row < len(owners) else None
+        spike = {"module": None if owner is None else owner.name, "class": None if owner is None else owner.cls,
+                 "quantity": QUANTITIES[field], "value": value, "baseline": baseline,
+                 "factor": value / baseline if baseline > 0 else math.inf, "batch": self.pending_batch,
+                 "rank": rank}
+        self.found.append(spike)
+        return spike
+
+
+def message(spike) -> str:
+    name = spike["module"] or "(root module)"
+    rank = "" if spike["rank"] is None else f" on rank {spike['rank']}"
+    return (f"numguard: spike{rank} in {name} ({spike['class']}) at batch_number={spike['batch']}: "
+            f"{spike['quantity']} {spike['value']:.3e} is {spike['factor']:.1f}x its median of the last "
+            f"batches ({spike['baseline']:.3e}); a bad batch, an unstable step or a fault on this device "
+            f"(NOTE: [spike rule] in numguard/inspector/spikes.py)")

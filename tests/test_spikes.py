@@ -1,0 +1,166 @@
+"""watch(spikes=...): a module's value far outside its own recent range is named, in execution
+order, from the one read per check (NOTE: [spike rule] in numguard/inspector/spikes.py); healthy
+runs with warm-up, cosine decay and dropout give no alarm."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import numguard
+from numguard import env
+from numguard.inspector.spikes import ARM
+from numguard.testing import SyncCounter
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.act = nn.GELU()
+        self.mid = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(self.mid(self.act(self.inp(x))))
+
+
+def _train(model, steps, backward=True, plant_at=None, plant=None, **watch):
+    torch.manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # a planted spike must not change the weights
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        insp = numguard.watch(model, report_to=None, backward=backward, **watch)
+        try:
+            for step in range(steps):
+                if step == plant_at:
+                    plant(True)
+                out = model(torch.randn(32, 8))
+                if step == plant_at:
+                    plant(False)
+                if backward:
+                    opt.zero_grad()
+                    out.pow(2).mean().backward()
+                    opt.step()
+        finally:
+            insp.close(check=False)
+    return insp, [w for w in caught if issubclass(w.category, numguard.SpikeWarning)]
+
+
+def _scale_output_of(module, factor):
+    state = {"on": False}
+    module.register_forward_hook(lambda m, a, out: out * factor if state["on"] else None)
+    return lambda on: state.update(on=on)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_spike_in_one_module_is_named_there_at_its_batch(backend, backward):
+    model = Net()
+    plant = _scale_output_of(model.mid, 1000.0)  # registered before watch(): numguard sees the spike
+    insp, warned = _train(model, ARM + 10, backward=backward, plant_at=ARM + 4, plant=plant, spikes=True)
+    assert len(warned) >= 1
+    first = warned[0].message.spike
+    assert first["module"] == "mid" and first["class"] == "Linear" and first["quantity"] == "output abs max"
+    assert first["batch"] == ARM + 4 and first["factor"] > 100 and first["rank"] is None
+    assert "spike in mid (Linear) at batch_number=" in str(warned[0].message)
+    assert insp.spikes()[0] == first
+
+
+def test_raise_mode_stops_with_a_spike_error():
+    model = Net()
+    plant = _scale_output_of(model.inp, 1e4)
+    with pytest.raises(numguard.SpikeError) as info:
+        _train(model, ARM + 10, backward=False, plant_at=ARM + 3, plant=plant, spikes="raise")
+    assert info.value.spike["module"] == "inp" and info.value.spike["batch"] == ARM + 3
+
+
+def test_a_gradient_spike_is_named_with_backward_watching():
+    model = Net()
+    state = {"on": False}
+    model.mid.register_full_backward_hook(
+        lambda m, gin, gout: tuple(g * 1e4 for g in gin) if state["on"] else None)
+    torch.manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the spike must not change the weights
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        insp = numguard.watch(model, report_to=None, backward=True, spikes="warn")
+        for step in range(ARM + 8):
+            state["on"] = step == ARM + 2
+            opt.zero_grad()
+            model(torch.randn(32, 8)).pow(2).mean().backward()
+            opt.step()
+        insp.close(check=False)
+    spikes = [w.message.spike for w in caught if issubclass(w.category, numguard.SpikeWarning)]
+    assert spikes and spikes[0]["quantity"] == "gradient abs max" and spikes[0]["batch"] == ARM + 2
+    assert spikes[0]["module"] in ("mid", "act", "inp")  # the gradient mid's backward produced, or upstream
+
+
+class Small(nn.Module):
+    def __init__(self, dropout):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=dropout, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.head(self.encoder(x, mask=nn.Transformer.generate_square_subsequent_mask(x.shape[1])))
+
+
+@pytest.mark.parametrize("schedule", ["warmup", "cosine", "dropout"])
+def test_no_false_alarm_on_healthy_300_step_runs(schedule):
+    torch.manual_seed(1)
+    model = Small(dropout=0.1 if schedule == "dropout" else 0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    steps = 300
+    if schedule == "warmup":
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
+    else:
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    target = torch.randn(16, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        insp = numguard.watch(model, report_to=None, backward=True, spikes=True)
+        for _ in range(steps):
+            x = torch.randn(4, 12, 16)
+            loss = (model(x) @ target).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+        insp.close(check=False)
+    spikes = [str(w.message) for w in caught if issubclass(w.category, numguard.SpikeWarning)]
+    assert spikes == [] and insp.trips == 0
+
+
+def test_spikes_add_no_host_sync():
+    def syncs(spikes):
+        model = Net()
+        counts = []
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        insp = numguard.watch(model, report_to=None, backward=True, spikes=spikes)
+        for step in range(ARM + 6):
+            counter = SyncCounter()
+            with counter():
+                opt.zero_grad()
+                model(torch.randn(32, 8)).pow(2).mean().backward()
+                opt.step()
+            if step > ARM:
+                counts.append(counter.numguard)
+        insp.close(check=False)
+        return counts
+    assert syncs(True) == syncs(False)
+
+
+def test_the_option_and_its_variable():
+    assert env.validate_watch_options({"spikes": True})["spikes"] == "warn"
+    assert env.validate_watch_options({"spikes": 0})["spikes"] is False
+    with pytest.raises(env.OptionError, match="spikes"):
+        env.validate_watch_options({"spikes": "loud"})
+    assert env.settings_from_env({"NUMGUARD_SPIKES": "RAISE"}) == {"spikes": "raise"}
+    assert env.settings_from_env({"NUMGUARD_SPIKES": "1"}) == {"spikes": "warn"}
+    with pytest.raises(env.EnvironmentSettingError, match="NUMGUARD_SPIKES"):
+        env.settings_from_env({"NUMGUARD_SPIKES": "yes"})
+    assert math.isfinite(ARM) and ARM <= 16
