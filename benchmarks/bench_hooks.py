@@ -3,7 +3,8 @@
 Conditions (interleaved round-robin, medians): no hooks / an empty forward hook on every module
 (PyTorch's hook dispatch alone) / numguard.watch (sync check) / numguard
 check="async" / numguard check_every=10 / numguard backward=True (training only, when available)
-/ numguard ops=True (training only) / numguard replay=True / Transformers' DebugUnderflowOverflow /
+/ numguard ops=True (training only) / numguard replay=True / numguard spikes=True (also with
+backward=True) / Transformers' DebugUnderflowOverflow /
 torch.autograd.detect_anomaly. Models: a stack of 200 Linear(4, 4) (host cost per module call),
 random-init GPT-2 (~1M and ~14M parameters) and T5 (~13M), CPU, one thread. Steps: forward only
 (no_grad) and
@@ -155,6 +156,9 @@ def conditions(training):
         if have_backward():
             out.append(("numguard ops=True backward=True", lambda m: Watch(m, ops=True, backward=True)))
     out.append(("numguard replay=True", lambda m: Watch(m, replay=True)))
+    out.append(("numguard spikes=True", lambda m: Watch(m, spikes=True)))
+    if training and have_backward():
+        out.append(("numguard backward=True spikes=True", lambda m: Watch(m, backward=True, spikes=True)))
     out += [("transformers DebugUnderflowOverflow", HFHooks),
             ("torch detect_anomaly", Anomaly)]
     return out
