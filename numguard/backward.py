@@ -401,6 +401,11 @@ def _register(watcher):
 def _unregister(watcher):
     with _lock:
         _watchers[:] = [ref for ref in _watchers if ref() is not None and ref() is not watcher]
-        if not _watchers:
-            for target in (_OPTIMIZER_HOOK, _SCALER_STEP, _BACKWARD):
+        # What no open watcher needs is undone now: a watcher left open elsewhere (a framework's
+        # run that raised before its end hook) keeps only what it uses.
+        live = [w for w in _live_watchers() if not w.closed]
+        if not any(getattr(w.inspector, "ops", False) for w in live):
+            _patches.restore(_BACKWARD)
+        if not live:
+            for target in (_OPTIMIZER_HOOK, _SCALER_STEP):
                 _patches.restore(target)

@@ -300,10 +300,11 @@ def test_transformers_trainer_callback_defaults(arch, tmp_path):
     assert healthy == [], [str(w.message) for w in healthy]
     planted.armed = True
     args.max_steps = 2
+    stopping = NumguardCallback(report_to=None)
     with pytest.raises(NonFiniteError) as info:
-        transformers.Trainer(model=model, args=args, train_dataset=rows, callbacks=[NumguardCallback(report_to=None)]
-                             ).train()
+        transformers.Trainer(model=model, args=args, train_dataset=rows, callbacks=[stopping]).train()
     assert info.value.module == planted_name
+    stopping.inspector.close(check=False)  # the run raised before on_train_end, which would close it
 
 
 # ---------------------------------------------------------------------------------------------
