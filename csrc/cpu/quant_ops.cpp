@@ -1,6 +1,7 @@
 // CPU kernel of numguard::quant_stats (schema: csrc/ops.cpp; meaning: numguard.quant): one pass
 // over the tensor's float32 values per block of the format (two for NVFP4, whose global scale
-// needs the tensor's amax first). The rounding is the shared header's (NOTE: [quant rounding]).
+// needs the tensor's amax first). The rounding is the shared header's (numguard/quant.h, NOTE:
+// [quant rounding]).
 //
 // Chunks of whole blocks are reduced in parallel and merged in chunk order, so the record does
 // not depend on the thread count.
@@ -13,7 +14,7 @@
 #include <limits>
 #include <vector>
 
-#include "numguard/stats_reduce.h"
+#include "numguard/quant.h"
 
 namespace numguard {
 namespace cpu {
