@@ -178,9 +178,13 @@ def test_stdout_default_writes_to_the_stdout_of_the_moment(capsys):
     assert capsys.readouterr().out == "report text\n"
 
 
-def test_readme_table_is_the_env_table():
+def _readme():
     with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
-        readme = f.read()
+        return f.read()
+
+
+def test_readme_table_is_the_env_table():
+    readme = _readme()
     assert env.markdown_table() in readme, (
         "README.md's variable table differs from numguard.env.VARIABLES; paste "
         "numguard.env.markdown_table() into README.md")
@@ -294,9 +298,7 @@ def test_distributed_reads_the_same_table(monkeypatch):
 
 
 def test_readme_option_table_is_the_option_table():
-    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
-        readme = f.read()
-    assert env.options_markdown_table() in readme, (
+    assert env.options_markdown_table() in _readme(), (
         "README.md's option table differs from numguard.env.WATCH_OPTIONS; paste "
         "numguard.env.options_markdown_table() into README.md")
 

@@ -45,7 +45,7 @@ ARM = 16
 SPIKE_CODE, SPIKE_VALUE, SPIKE_BASELINE = 5, 6, 7
 SPIKE_WORDS = slice(SPIKE_CODE, SPIKE_BASELINE + 1)
 QUANTITIES = ("output abs max", "gradient abs max")
-_FIELDS = (OUT_MAX, GRAD_MAX)
+assert GRAD_MAX > OUT_MAX  # the slice in after_fold takes exactly these two fields
 
 
 class SpikeDetector:
@@ -82,7 +82,8 @@ class SpikeDetector:
             self._rank_of_row = self._execution_order(frames, history.table.shape[0], history.table.device)
         newest, slot = max(batches)
         table = history.table                                  # [modules, window, fields]
-        values = table[:, :, list(_FIELDS)]                     # [M, W, 2]
+        # A strided slice, not a list index (which would copy an index tensor from the host).
+        values = table[:, :, OUT_MAX:GRAD_MAX + 1:GRAD_MAX - OUT_MAX]  # [M, W, 2]: outputs, gradients
         v = values[:, slot, :]                                  # [M, 2]
         # The baseline: every other slot (a mask, not a boolean index, which would wait for the device).
         others = (torch.arange(table.shape[1], device=table.device) != slot).view(1, -1, 1)
