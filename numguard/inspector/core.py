@@ -10,6 +10,7 @@ returns a ``CheckStatus``; healthy frames are trimmed to report context, a trip 
 """
 from __future__ import annotations
 
+import operator
 import sys
 import warnings
 import weakref
@@ -20,20 +21,19 @@ import torch
 from .. import env
 from .. import ownership as _ownership
 from .. import process as _process
-from ..errors import AbortAfterBatch, InspectorWarning, NonFiniteError, SpikeError, SpikeWarning
+from ..errors import AbortAfterBatch, InspectorWarning, NonFiniteError, SpikeError
 from . import frames as _frames
 from . import checks as _checks
+from . import gradients as _gradients
 from .checks import FlagReader
 from .graph import GraphRecorder
 from .hooks import BatchState, ModuleHooks, active
 from .options import STDOUT, WatchOptions
-from .history import ModuleHistory
 from .operations import OperationRecorder
-from . import replay as _replay
-from . import spikes as _spikes_mod
-from .spikes import SpikeDetector
+from .replay import InputKeeper
 from .ring import FrameRing
 from .trips import Reporter
+from .watched_history import HistoryFeature
 from .weights import WeightTable
 
 
@@ -67,6 +67,39 @@ def _take_root(model, inspector):
 def is_watched(module: torch.nn.Module) -> bool:
     """Whether an open Inspector has its hooks on `module` (e.g. the script's own watch())."""
     return bool(_watched.get(module))
+
+
+def _count_watched(modules) -> list:
+    """Count `modules` as watched once more; the weak references _forget uncounts."""
+    for module in modules:
+        _watched[module] = _watched.get(module, 0) + 1
+    return [weakref.ref(module) for module in modules]
+
+
+def _forget(inspector) -> None:
+    """A closed inspector leaves the registries: it uncounts only what it counted (a watch() that
+    failed half-way must not uncount another inspector's modules) and gives up its root. (`is not
+    None`, not truth: an OptimizedModule's truth is its model's len(), which may not exist.)"""
+    for module in [m for m in (ref() for ref in inspector._registered) if m is not None]:
+        count = _watched.get(module, 0) - 1
+        if count > 0:
+            _watched[module] = count
+        else:
+            _watched.pop(module, None)
+    inspector._registered.clear()
+    model = inspector._model_ref()
+    if model is not None and _roots.get(model) is inspector:
+        del _roots[model]
+    if inspector in active:
+        active.remove(inspector)
+
+
+def _close_features(features) -> None:
+    for feature in features:
+        try:
+            feature.close()
+        except Exception as exc:  # closing never fails the user's job
+            warnings.warn(f"numguard: closing {type(feature).__name__} failed: {exc}", InspectorWarning)
 
 
 class Held(NamedTuple):
@@ -129,11 +162,13 @@ class Inspector(ModuleHooks):
         self._thread = None
         self._child_hooks = []            # pre-hooks timing the root's first child (hooks.py)
         self._first_child = None
-        self._backward_watch = None
-        self._ops = None
-        self._history = None              # per-module device history for advice() (numguard.inspector.history)
-        self._spikes = None               # spikes=...: the detector on that history (numguard.inspector.spikes)
+        # The features (numguard.inspector.features), called in this order at each point of the
+        # lifecycle; the attributes name the ones other parts reach for.
+        self.features = []
+        self._backward_watch = None       # backward=True (numguard.inspector.gradients)
+        self._ops = None                  # ops=True (numguard.inspector.operations)
         self._keeper = None               # replay=True: each module's last inputs (numguard.inspector.replay)
+        self._history = None              # history, advice and spikes (numguard.inspector.watched_history)
         self._registered = []             # weak refs of the modules counted in _watched
         self._created_at = _caller_site()
         self._ring = FrameRing(max(64, 8 * opts.max_frames_to_save), _model_device(model),
@@ -145,28 +180,25 @@ class Inspector(ModuleHooks):
         self._reporter = Reporter(self._ring, self._weights, opts, self._warned, self._reader)
         self._graph = None                # frames recorded inside compiled graphs
         try:
-            self._graph = self._reporter.graph = GraphRecorder(self, self._ring.device)
+            self._graph = self._reporter.graph = self._add(GraphRecorder(self, self._ring.device))
         except Exception as exc:  # numguard's own failure must not kill the job
             self._warn_once(("graph",), f"numguard: cannot record module frames inside compiled graphs "
                                         f"({type(exc).__name__}: {exc}); a compiled model is checked at its "
                                         "output and weights only")
         try:
             if opts.ops:
-                self._ops = OperationRecorder(self)
+                self._ops = self._add(OperationRecorder(self))
                 self._ops.tag_nodes = opts.backward   # name backward operations by forward module
-                self._reporter.lineage = self._ops.lineage
+                self._reporter.builder.lineage = self._ops.lineage
             _take_root(model, self)
             self._install_hooks(model)
-            for module in self._module_names.keys():
-                _watched[module] = _watched.get(module, 0) + 1
-                self._registered.append(weakref.ref(module))
-            if opts.backward:
-                self._watch_gradients(model)
-            self._history = ModuleHistory(self._owners, self._ring.device)
-            if opts.spikes:
-                self._spikes = SpikeDetector(opts.spikes)
+            self._registered = _count_watched(list(self._module_names.keys()))
+            if opts.backward:  # handed operation mode, to enter it for each backward
+                self._backward_watch = self._add(_gradients.watch_gradients(self, model, opts, self._ops))
+            self._history = self._add(HistoryFeature(self, self._ring.device, opts.spikes))
             if opts.replay:
-                self._keep_inputs()
+                self._keeper = self._add(InputKeeper(self, self._ring.device))
+                self._keeper.install(self._owners, self._handles)
             self._reporter.annotate = self._annotate_report
             if opts.replicas:  # removed with the other hooks at close()
                 from ..distributed import replicas
@@ -174,6 +206,10 @@ class Inspector(ModuleHooks):
         except BaseException:
             self.close(check=False)  # a watch() that fails leaves no hook behind
             raise
+
+    def _add(self, feature):
+        self.features.append(feature)
+        return feature
 
     # -- public surface --------------------------------------------------------------------------
     @property
@@ -209,17 +245,6 @@ class Inspector(ModuleHooks):
     def last_report(self):
         """The last trip's report dictionary (numguard.dump's schema), or None."""
         return self._reporter.last_report
-
-    # watch()'s options, read-only under the names they always had (report_to is settable).
-    on_trip = property(lambda self: self.options.on_trip)
-    check_mode = property(lambda self: self.options.check)
-    backward = property(lambda self: self.options.backward)
-    headroom = property(lambda self: self.options.headroom)
-    dump_dir = property(lambda self: self.options.dump_dir)
-    extras = property(lambda self: self.options.extras)
-    scaler_skips = property(lambda self: self.options.scaler_skips)
-    ops = property(lambda self: self.options.ops)
-    replay = property(lambda self: self.options.replay)
 
     @property
     def report_to(self):
@@ -285,32 +310,12 @@ class Inspector(ModuleHooks):
                 self.check_now("close")
         finally:
             self._batch.closed = True
-            if self._ops is not None:
-                self._ops_call("stop")
+            _close_features(self.features)
             for h in self._handles:
                 h.remove()
             self._handles.clear()
-            # Only what this inspector counted: a watch() that failed half-way must not uncount
-            # another inspector's modules.
-            # (`is not None`, not truth: an OptimizedModule's truth is its model's len(), which may not exist)
-            for module in [m for m in (ref() for ref in self._registered) if m is not None]:
-                count = _watched.get(module, 0) - 1
-                if count > 0:
-                    _watched[module] = count
-                else:
-                    _watched.pop(module, None)
-            self._registered.clear()
-            model = self._model_ref()
-            if model is not None and _roots.get(model) is self:
-                del _roots[model]
-            if self._backward_watch is not None:
-                try:
-                    self._backward_watch.close()
-                except Exception as exc:
-                    warnings.warn(f"numguard: closing the backward watch failed: {exc}", InspectorWarning)
-                self._backward_watch = None
-            if self in active:
-                active.remove(self)
+            self._backward_watch = None
+            _forget(self)
 
     def record_frame(self, module_name: str, class_name: str, labels, values, section: str = "forward") -> None:
         """Record a frame of your own (no host sync). `values[i]` is shown on line `labels[i]`:
@@ -322,10 +327,7 @@ class Inspector(ModuleHooks):
         if len(labels) != len(values):
             raise ValueError(f"numguard.record_frame: {len(labels)} labels but {len(values)} values; give "
                              "one label per value")
-        key = (module_name, class_name)
-        owner = self._named.get(key)
-        if owner is None:
-            owner = self._named[key] = _frames.Owner(-1, module_name, class_name, headroom=self.options.headroom)
+        owner = _frames.named_owner(self._named, module_name, class_name, self.options.headroom)
         xs, kinds = _frames.flatten_values(values)
         ops = self._ops
         if ops is None:
@@ -382,49 +384,8 @@ class Inspector(ModuleHooks):
             self._ring.reset_after_trip()
             self._reporter.forget_graph_frames()
 
-    def backward_ops_start(self) -> bool:
-        """Enter operation mode for a backward (numguard.backward, with ops=True); whether it did."""
-        if self._ops is None or self._batch.closed:
-            return False
-        try:
-            return self._ops.start_backward()
-        except Exception as exc:
-            self._ops_failed(exc)
-            return False
-
-    def backward_ops_stop(self) -> None:
-        """Leave operation mode after a backward that backward_ops_start entered."""
-        self._ops_call("stop")
-
-    def _watch_gradients(self, model):
-        try:
-            from .. import backward as _backward
-        except ImportError as exc:
-            warnings.warn(f"numguard: backward=True needs numguard.backward, which cannot be imported in "
-                          f"this installation ({exc}); gradients are NOT watched, only the forward pass. "
-                          "Reinstall numguard.", InspectorWarning, stacklevel=4)
-            return
-        self._backward_watch = _backward.BackwardWatcher(self, model, scaler_skips=self.options.scaler_skips)
-        opts = self.options
-        if opts.check == "async" or opts.check_every > 1:
-            warnings.warn(
-                f"numguard: backward=True with check={opts.check!r}, check_every={opts.check_every}: a "
-                "NaN/Inf gradient of a step that is not checked synchronously reaches the optimizer, and "
-                "is reported at the next check (the weights may already hold it). Use check='sync', "
-                "check_every=1 to raise before any weight is written.", InspectorWarning, stacklevel=4)
-
     def _unchecked_tensor(self, owner, label, tensor):
-        """A tensor whose values numguard cannot read (NOTE: [tensor subclasses]): say so once per
-        module and label, at the first frame that has one."""
-        name = "(unknown module)" if owner is None else (owner.name or "(root module)")
-        cls = "" if owner is None else f" ({owner.cls})"
-        label = label or "a tensor"
-        kind = type(tensor).__name__
-        self._warn_once(("unchecked", name, label, kind),
-                        f"numguard: {label} of module {name!r}{cls} is a tensor subclass ({kind}) without "
-                        "__tensor_flatten__ and without storage of its own: numguard cannot read its values, "
-                        "so it is NOT checked for NaN/Inf (its report line shows no values). Give the subclass "
-                        "__tensor_flatten__ (as torch.compile needs anyway) to have its inner tensors checked.")
+        self._warn_once(*_frames.unchecked_warning(owner, label, tensor))  # once per module and label
 
     def _warn_once(self, key, message):
         if key not in self._warned:
@@ -434,25 +395,16 @@ class Inspector(ModuleHooks):
     # -- the batch life cycle --------------------------------------------------------------------
     def _begin_batch(self):
         self._batch.open = True
-        if self._graph is not None:
-            self._graph.begin_batch(self._batch.done)
-        try:
-            self._weights.record(self._batch.done, self._ring, self._move_to)
-        except Exception as exc:
-            self._warn_once(("weights",), f"numguard: could not record weight stats ({type(exc).__name__}: "
-                                          f"{exc}); weights are not watched from now on")
-            self._weights.disable()
+        for feature in self.features:
+            feature.begin_batch(self._batch.done)
+        self._weights.record_or_stop(self._batch.done, self._ring, self._move_to, self._warn_once)
 
     def _move_to(self, device):
         self._ring.move_to(device)
-        if self._graph is not None:
-            self._graph.move_to(device)
         self._reader.device_moved()
         self._weights.forget()
-        if self._history is not None:
-            self._history.move_to(device)
-        if self._keeper is not None:
-            self._keeper.moved(device)
+        for feature in self.features:
+            feature.device_moved(device)
 
     def _frames_dropped(self, cut):
         self._reader.frames_dropped(cut)
@@ -467,11 +419,8 @@ class Inspector(ModuleHooks):
         self._batch.open = False
         self._ring.forget_seen()
         self._ring.pending_start = self._batch.done
-        if batch == 0 and self._graph is not None:  # before the check: said before a trip's report
-            missing = self._guarded(self._graph.untraced_submodules, self)
-            if missing:
-                from .graph import untraced_message
-                self._warn_once(("graph",), untraced_message(missing))
+        for feature in self.features:
+            self._guarded(feature.end_batch, batch)
         traced = batch in self.trace_batch_nums
         if traced:
             self._guarded(self._reporter.print_trace, batch)
@@ -508,8 +457,8 @@ class Inspector(ModuleHooks):
                                        on_trip="warn" if self.options.on_trip == "raise" else self.options.on_trip)
 
     def _handle(self, status):
-        if self._spikes is not None and status.values[_spikes_mod.SPIKE_CODE]:
-            self._spike_found(status)
+        for feature in self.features:
+            feature.check_read(status)
         host_ring = None
         if status.headroom_hit:
             host_ring = self._ring.host_copy()
@@ -519,11 +468,8 @@ class Inspector(ModuleHooks):
                 host_ring = self._ring.host_copy()
             self._reporter.handle_trip(status, host_ring, on_report=self._trip_reported)
         else:
-            if self._history is not None:
-                self._fold_history(status.boundary)
-            if self._keeper is not None and status.boundary > 0:
-                # Inputs of confirmed batches can no longer be replayed: let them go now.
-                self._keeper.release_through(self._ring.frames[status.boundary - 1].batch)
+            for feature in self.features:
+                feature.frames_confirmed(self._ring, self._ring.last_check_frames, status.boundary)
             self._ring.keep_context(status.boundary, self.options.max_frames_to_save)
 
     def _guarded(self, fn, *args):
@@ -553,67 +499,18 @@ class Inspector(ModuleHooks):
 
     def history(self) -> dict:
         """The per-module history as plain data (the "history" field of a dump)."""
-        if self._history is None:
-            return {"window": 0, "batches": [], "modules": []}
-        data = self._history.to_dict()
-        scale, source = None, "assumed"
-        scaler = getattr(self._backward_watch, "last_scaler", None)
-        scaler = scaler() if scaler is not None else None
-        if scaler is not None and scaler.is_enabled():
-            scale, source = float(scaler.get_scale()), "GradScaler"
-        data["loss_scale"], data["loss_scale_source"] = scale, source
-        return data
-
-    def _spike_found(self, status):
-        """A spike the check read (NOTE: [spike rule]): re-arm the words, then warn or raise."""
-        spike = self._spikes.read(status.values, self._owners, _process.rank(default=None))
-        self._ring.state_buf[_spikes_mod.SPIKE_WORDS].fill_(0)
-        if spike is None:
-            return
-        text = _spikes_mod.message(spike)
-        if self._spikes.mode == "raise":
-            raise SpikeError(text, spike)
-        warnings.warn(SpikeWarning(text, spike), stacklevel=2)
+        return self._history.to_dict()
 
     def spikes(self) -> list:
         """Every spike found so far (spikes=True), oldest first: dicts of module, class, quantity,
         value, baseline, factor, batch, rank."""
-        return [] if self._spikes is None else list(self._spikes.found)
-
-    def _fold_history(self, boundary):
-        try:
-            self._history.fold(self._ring, self._ring.last_check_frames, boundary)
-        except Exception as exc:  # advice is lost, never the job
-            self._history = None
-            self._warn_once(("history",), f"numguard: the per-module history stopped after an internal error "
-                                          f"({type(exc).__name__}: {exc}); advice() has no data from now on")
-            self._spikes = None
-            return
-        if self._spikes is not None:
-            try:
-                frames = self._ring.frames[self._ring.last_check_frames:boundary]
-                self._spikes.after_fold(self._history, self._ring.state_buf, frames)
-            except Exception as exc:  # spikes are lost, never the job
-                self._spikes = None
-                self._warn_once(("spikes",), f"numguard: spike detection stopped after an internal error "
-                                             f"({type(exc).__name__}: {exc}); NaN/Inf are still watched")
+        return self._history.found_spikes()
 
     def _annotate_report(self, report, offender):
-        """Fields added to a trip's report before it is rendered: the module history, and with
-        replay=True the replay of the first bad module."""
-        if self._history is not None:
-            report["history"] = self.history()
-        if self._keeper is not None:
-            replayed = _replay.replay(self, self._keeper, offender, report)
-            if replayed is not None:
-                report["replay"] = replayed
-
-    def _keep_inputs(self):
-        self._keeper = _replay.InputKeeper(self, self._ring.device)
-        for owner in self._owners:
-            module = owner.ref()
-            if module is not None:
-                self._handles.append(self._keeper.hooks(owner, module))
+        """Fields the features add to a trip's report before it is rendered (the module history;
+        with replay=True the replay of the first bad module)."""
+        for feature in self.features:
+            feature.annotate_report(report, offender)
 
     # -- what a subclass may change --------------------------------------------------------------
     def _trip_reported(self, report, frames_after):
@@ -625,6 +522,13 @@ class Inspector(ModuleHooks):
         return (f"numguard: aborting after batch_number={batch} ({done} batch{'es' if done != 1 else ''} run) "
                 f"as requested by abort_after_batch_num={self.abort_after_batch_num}")
 
+
+# watch()'s options, read-only under the names they always had (report_to is settable).
+for _name, _option in {"on_trip": "on_trip", "check_mode": "check", "backward": "backward",
+                       "headroom": "headroom", "dump_dir": "dump_dir", "extras": "extras",
+                       "scaler_skips": "scaler_skips", "ops": "ops", "replay": "replay"}.items():
+    setattr(Inspector, _name, property(operator.attrgetter(f"options.{_option}"),
+                                       doc=f"watch()'s {_option} option (read-only)"))
 
 if Inspector.__doc__:  # the options' entries come from their one table (None under python -OO)
     Inspector.__doc__ = Inspector.__doc__.replace("{options}", env.options_doc(indent=8))

@@ -76,7 +76,7 @@ class DebugUnderflowOverflow(core.Inspector):
             host_ring = ring.host_copy()
             tables = self._weights.host_tables({f.batch for f in kept})
             for f in kept:
-                texts.append(_report.frame_text(self._reporter.frame_record(f, host_ring, tables, ring.pos), False))
+                texts.append(_report.frame_text(self._reporter.builder.frame_record(f, host_ring, tables, ring.pos), False))
         return texts
 
     def _trip_reported(self, report, frames_after):

@@ -65,6 +65,29 @@ class Frame(NamedTuple):
     lowest: int
 
 
+def named_owner(owners, module_name, class_name, headroom):
+    """The Owner of record_frame's frames named (module_name, class_name), made at first use
+    (`owners`: the inspector's table of them)."""
+    owner = owners.get((module_name, class_name))
+    if owner is None:
+        owner = owners[(module_name, class_name)] = Owner(-1, module_name, class_name, headroom=headroom)
+    return owner
+
+
+def unchecked_warning(owner, label, tensor):
+    """(key, message) of the warning for a tensor whose values numguard cannot read (NOTE: [tensor
+    subclasses]), said once per key at the first frame that has one."""
+    name = "(unknown module)" if owner is None else (owner.name or "(root module)")
+    cls = "" if owner is None else f" ({owner.cls})"
+    label = label or "a tensor"
+    kind = type(tensor).__name__
+    return (("unchecked", name, label, kind),
+            f"numguard: {label} of module {name!r}{cls} is a tensor subclass ({kind}) without "
+            "__tensor_flatten__ and without storage of its own: numguard cannot read its values, "
+            "so it is NOT checked for NaN/Inf (its report line shows no values). Give the subclass "
+            "__tensor_flatten__ (as torch.compile needs anyway) to have its inner tensors checked.")
+
+
 def is_parameter_gradients(frame) -> bool:
     """The parameter gradients numguard.backward records before the optimizer step (labels
     ``<parameter>.grad``): after DDP's all_reduce (FSDP's reduce-scatter) they hold every rank's

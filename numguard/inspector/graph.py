@@ -38,6 +38,7 @@ from torch._dynamo.comptime import comptime
 
 from .. import ops, schema
 from . import frames as _frames
+from .features import Feature
 from .ring import outside_inference_mode
 
 GRAPH_RING_RECORDS = 1 << 14  # records (1 MiB); older graph frames are overwritten beyond this
@@ -364,7 +365,7 @@ def record_in_graph(inspector, owner, args, kwargs, output):
     return None
 
 
-class GraphRecorder:
+class GraphRecorder(Feature):
     """An inspector's graph ring, cursor and log (on the model's device), and the host side that
     turns them back into frames after a trip."""
 
@@ -388,6 +389,16 @@ class GraphRecorder:
     def move_to(self, device):
         """Start over on another device (the model moved after watch())."""
         self._allocate(device)
+
+    def device_moved(self, device):
+        self.move_to(device)
+
+    def end_batch(self, batch):
+        inspector = self._inspector()
+        if batch == 0 and inspector is not None:  # before the check: said before a trip's report
+            missing = self.untraced_submodules(inspector)
+            if missing:
+                inspector._warn_once(("graph",), untraced_message(missing))
 
     @outside_inference_mode
     def begin_batch(self, batch):
@@ -544,7 +555,7 @@ def _top_forward(frame):
 
 
 class ReportView:
-    """What Reporter.build_report reads of a FrameRing (`frames`, `floor`, `find_offender`), with
+    """What ReportBuilder.build_report reads of a FrameRing (`frames`, `floor`, `find_offender`), with
     graph frames merged in: a batch's graph frames go before its root's (or a top module's)
     forward frame, which returns after the graph ran, and after the batch's other frames."""
 

@@ -25,6 +25,7 @@ from .. import ops as _ops
 from .. import process as _process
 from .. import schema
 from . import frames as _frames
+from .features import Feature
 
 SECTION = "operations"
 BACKWARD_SECTION = "backward operations"
@@ -152,7 +153,7 @@ class OpOwner(_frames.Owner):
         self.backward_of = backward_of
 
 
-class OperationRecorder(TorchDispatchMode):
+class OperationRecorder(TorchDispatchMode, Feature):
     """Records aten operations into `inspector`'s ring while entered. Owners come from a stack of
     the modules whose forward is running (pushed by pre-hooks, popped by always-called hooks)."""
 
@@ -231,6 +232,24 @@ class OperationRecorder(TorchDispatchMode):
         if self.produced:
             self._tag_returned()
         self.__exit__(None, None, None)
+
+    def close(self):
+        self.stop()
+
+    def enter_backward(self) -> bool:
+        """Enter the mode for a backward (numguard.inspector.gradients); whether it did. Its
+        failure switches operation mode off, never the job."""
+        if self.inspector._batch.closed:
+            return False
+        try:
+            return self.start_backward()
+        except Exception as exc:
+            self.inspector._ops_failed(exc)
+            return False
+
+    def leave_backward(self) -> None:
+        """Leave the mode after a backward that enter_backward entered."""
+        self.inspector._ops_call("stop")
 
     def start_backward(self):
         """Enter the mode for a backward; False when it is off or already entered."""

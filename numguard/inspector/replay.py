@@ -35,6 +35,7 @@ import torch
 
 from . import frames as _frames
 from . import operations as _operations
+from .features import Feature
 
 _Tensor = torch.Tensor
 _OptimizedModule = torch._dynamo.eval_frame.OptimizedModule
@@ -47,7 +48,7 @@ def _generator(device):
     return torch.default_generator
 
 
-class InputKeeper:
+class InputKeeper(Feature):
     """The last call of each watched module: (args, kwargs, batch, generator state), its tensors
     kept with their version counters (_keep_value)."""
 
@@ -89,9 +90,25 @@ class InputKeeper:
         else:
             self.calls = {k: call for k, call in calls.items() if call[2] > batch}
 
-    def moved(self, device):
+    def install(self, owners, handles):
+        """Keep the inputs of every watched module (its pre-hooks go to `handles`)."""
+        for owner in owners:
+            module = owner.ref()
+            if module is not None:
+                handles.append(self.hooks(owner, module))
+
+    def device_moved(self, device):
         self.generator = _generator(device)
         self.calls.clear()
+
+    def frames_confirmed(self, ring, start, boundary):
+        if boundary > 0:  # inputs of confirmed batches can no longer be replayed: let them go now
+            self.release_through(ring.frames[boundary - 1].batch)
+
+    def annotate_report(self, report, offender):
+        replayed = replay(self.inspector, self, offender, report)
+        if replayed is not None:
+            report["replay"] = replayed
 
 
 _grad_enabled = torch.is_grad_enabled

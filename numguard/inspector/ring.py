@@ -63,6 +63,16 @@ def _to_device(values, device):
     return host_to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
+def record_at(host_ring, position, valid_end):
+    """The host record at `position` (None once overwritten): a ring's host copy, or
+    graph.HostRecords when compiled graphs' frames are in the report."""
+    lookup = getattr(host_ring, "record_at", None)
+    if lookup is not None:
+        return lookup(position)
+    size = host_ring.shape[0]
+    return None if position < valid_end - size else [float(v) for v in host_ring[position % size]]
+
+
 def device_index(device):
     """What Tensor.get_device() returns for tensors on `device` (-1 on the CPU)."""
     if device.type == "cpu":

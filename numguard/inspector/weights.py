@@ -215,6 +215,16 @@ class WeightTable:
             self.limits_inv = None
         return unique
 
+    def record_or_stop(self, batch, ring, move_to, warn_once):
+        """record(), or stop watching weights after an internal error (`warn_once(key, text)`
+        says so once): the weights are lost, never the job."""
+        try:
+            self.record(batch, ring, move_to)
+        except Exception as exc:
+            warn_once(("weights",), f"numguard: could not record weight stats ({type(exc).__name__}: "
+                                    f"{exc}); weights are not watched from now on")
+            self.disable()
+
     def disable(self):
         """Stop watching weights (after an internal error)."""
         for owner in self.owners:

@@ -1,0 +1,84 @@
+"""The history feature of an Inspector: the per-module device history (numguard.inspector.history)
+folded at each healthy check, the spike detector that reads it (numguard.inspector.spikes,
+spikes=...), and what they give the user: ``advice()``, ``history()``, ``spikes()`` and the
+"history" field of a trip's report."""
+from __future__ import annotations
+
+import warnings
+
+from .. import process as _process
+from ..errors import SpikeError, SpikeWarning
+from . import spikes as _spikes
+from .features import Feature
+from .history import ModuleHistory
+
+
+class HistoryFeature(Feature):
+    """Built by every Inspector (advice is always available); the detector only with spikes=."""
+
+    def __init__(self, inspector, device, spikes=None):
+        self.inspector = inspector
+        self.history = ModuleHistory(inspector._owners, device)
+        self.spikes = _spikes.SpikeDetector(spikes) if spikes else None
+
+    def device_moved(self, device):
+        if self.history is not None:
+            self.history.move_to(device)
+
+    def check_read(self, status):
+        """A spike the check read (NOTE: [spike rule]): re-arm the words, then warn or raise."""
+        if self.spikes is None or not status.values[_spikes.SPIKE_CODE]:
+            return
+        insp = self.inspector
+        spike = self.spikes.read(status.values, insp._owners, _process.rank(default=None))
+        insp._ring.state_buf[_spikes.SPIKE_WORDS].fill_(0)
+        if spike is None:
+            return
+        text = _spikes.message(spike)
+        if self.spikes.mode == "raise":
+            raise SpikeError(text, spike)
+        warnings.warn(SpikeWarning(text, spike), stacklevel=2)
+
+    def frames_confirmed(self, ring, start, boundary):
+        if self.history is None:
+            return
+        try:
+            self.history.fold(ring, start, boundary)
+        except Exception as exc:  # advice is lost, never the job
+            self.history = self.spikes = None
+            self.inspector._warn_once(("history",), f"numguard: the per-module history stopped after an internal "
+                                                    f"error ({type(exc).__name__}: {exc}); advice() has no data "
+                                                    "from now on")
+            return
+        if self.spikes is not None:
+            try:
+                self.spikes.after_fold(self.history, ring.state_buf, ring.frames[start:boundary])
+            except Exception as exc:  # spikes are lost, never the job
+                self.spikes = None
+                self.inspector._warn_once(("spikes",), f"numguard: spike detection stopped after an internal "
+                                                       f"error ({type(exc).__name__}: {exc}); NaN/Inf are still "
+                                                       "watched")
+
+    def annotate_report(self, report, offender):
+        if self.history is not None:
+            report["history"] = self.to_dict()
+
+    def to_dict(self) -> dict:
+        """The history as plain data (the "history" field of a dump), with the loss scale the
+        gradients were seen at (GradScaler's when backward=True saw one; else assumed 1)."""
+        if self.history is None:
+            return {"window": 0, "batches": [], "modules": []}
+        data = self.history.to_dict()
+        scale, source = None, "assumed"
+        scaler = getattr(self.inspector.backward_watcher, "last_scaler", None)
+        scaler = scaler() if scaler is not None else None
+        if scaler is not None and scaler.is_enabled():
+            scale, source = float(scaler.get_scale()), "GradScaler"
+        data["loss_scale"], data["loss_scale_source"] = scale, source
+        return data
+
+    def found_spikes(self) -> list:
+        return [] if self.spikes is None else list(self.spikes.found)
+
+
+__all__ = ["HistoryFeature"]
