@@ -327,7 +327,8 @@ class Inspector(ModuleHooks):
         if len(labels) != len(values):
             raise ValueError(f"numguard.record_frame: {len(labels)} labels but {len(values)} values; give "
                              "one label per value")
-        owner = _frames.named_owner(self._named, module_name, class_name, self.options.headroom)
+        owner = (self._named.get((module_name, class_name))  # the gradient taps' path: one lookup
+                 or _frames.named_owner(self._named, module_name, class_name, self.options.headroom))
         xs, kinds = _frames.flatten_values(values)
         ops = self._ops
         if ops is None:
