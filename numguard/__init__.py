@@ -5,8 +5,9 @@
     insp = numguard.watch(model)        # module hooks, device-side ring, report on NaN/Inf
 """
 from .ops import STAT_FIELDS, backend, multi_tensor_stats, record_, tensor_stats
-from .errors import NonFiniteError, SpikeError, SpikeWarning
+from .errors import Attribution, NonFiniteError, SpikeError, SpikeWarning
 from .inspector import DebugUnderflowOverflow, Inspector, detect_overflow, watch
+from .inspector.step_rerun import rerun_step  # noqa: E402
 from . import dump  # noqa: E402  (numguard.dump.load / render_file for dump files)
 from .memory import find_executable_batch_size, is_out_of_memory  # noqa: E402
 from .patches import patched  # noqa: E402  (what numguard has changed in this process now)
@@ -14,7 +15,7 @@ from .quant import QUANT_FIELDS, multi_tensor_quant_stats, quant_stats  # noqa: 
 
 __all__ = ["STAT_FIELDS", "backend", "multi_tensor_stats", "record_", "tensor_stats",
            "watch", "Inspector", "DebugUnderflowOverflow", "detect_overflow", "NonFiniteError",
-           "SpikeWarning", "SpikeError",
+           "SpikeWarning", "SpikeError", "Attribution", "rerun_step",
            "find_executable_batch_size", "is_out_of_memory", "patched",
            "QUANT_FIELDS", "quant_stats", "multi_tensor_quant_stats"]
 __version__ = "0.1.0"

@@ -37,6 +37,9 @@ Schema (``format == "numguard-report"``, ``version == 1``); JSON numbers may be 
       "replay": {"module": str, "class": str, "reproduced": bool, "op": str | null, "site": str | null,
                  "op_module": str | null, "op_class": str | null, "reason": str},
                                 # optional: watch(replay=True)'s re-run of the first bad module
+      "rerun": {"verdict": "transient" | "reproducible" | "device" | null, "batch": int, "reason": str,
+                "recovered": bool, "detail": str, "identical": bool | null, "module": str, "class": str},
+                                # optional: watch(rerun=True)'s rerun of the batch (numguard.inspector.rerun)
       "outliers": [{"rank": int, "host": str, "metric": "activations" | "gradients" | "step_time",
                     "value": float, "median_of_others": float, "ratio": float, ...}, ...],
                                 # optional: the ranks numguard.distributed.last_outliers() named
@@ -194,6 +197,7 @@ _TOP = {
     "backend": (False, _STR),
     "history": (False, ("an object", lambda v: isinstance(v, dict))),
     "replay": (False, ("an object", lambda v: isinstance(v, dict))),
+    "rerun": (False, ("an object", lambda v: isinstance(v, dict))),
 }
 _FRAME = {
     "name": (True, _STR),

@@ -591,6 +591,15 @@ WATCH_OPTIONS = (
                 "abs max of its outputs, and of its gradients with backward=True): `\"warn\"` (or True) "
                 "gives a numguard.SpikeWarning, `\"raise\"` a numguard.SpikeError; False: off",
                 "NUMGUARD_SPIKES"),
+    WatchOption("rerun", False, _flag("rerun"),
+                "after a trip, run the batch's forward again on the same inputs and device "
+                "(numguard.inspector.rerun): the verdict, a numguard.Attribution on the error or warning "
+                "(`.attribution`), says whether the fault was `\"transient\"` or `\"reproducible\"`",
+                "NUMGUARD_RERUN"),
+    WatchOption("recover", True, _flag("recover"),
+                "with rerun=True, a transient fault found at the root's return (check=\"sync\", one "
+                "process) is recovered: the rerun's output replaces the corrupted one and a "
+                "NonFiniteWarning says so; False: report only"),
 )
 _OPTIONS = {o.name: o for o in WATCH_OPTIONS}
 
@@ -687,6 +696,9 @@ VARIABLES = (
     _setting("NUMGUARD_SPIKES",
              "`0`/`1`/`warn`/`raise`: find a module's value far outside its own recent range (`1`: warn)",
              "0, 1, warn or raise (any case)", _spikes_text),
+    _setting("NUMGUARD_RERUN",
+             "`0`/`1`: after a trip, rerun the batch's forward on the same inputs to tell a transient "
+             "fault from a reproducible one", _SWITCH, _switch),
     # --- cross-rank numerics (numguard.distributed.replicas) ---
     _setting("NUMGUARD_REPLICA_CHECK",
              "every N steps, check that the data-parallel replicas of the parameters and their "

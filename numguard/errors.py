@@ -1,6 +1,46 @@
 """Exceptions and warnings raised by numguard's inspector."""
 from __future__ import annotations
 
+import dataclasses
+
+VERDICTS = ("transient", "device", "reproducible")
+
+
+@dataclasses.dataclass(frozen=True)
+class Attribution:
+    """What a rerun of the faulty step said about its cause (watch(rerun=True), numguard.rerun_step;
+    NOTE: [rerun verdict] in numguard.inspector.rerun).
+
+    Attributes:
+        verdict: "transient" (the same inputs on the same device gave finite values: a glitch),
+            "device" (this device reproduces it, a data-parallel peer does not) or "reproducible"
+            (it repeats: the data or the model).
+        rank: the rank whose step was rerun (None outside torch.distributed).
+        host: that rank's host name.
+        device: the device the step ran on (e.g. "cuda:3", "cpu").
+        batch_number: the 0-indexed batch that was rerun.
+        detail: what the rerun saw, in words.
+    """
+
+    verdict: str
+    rank: int | None
+    host: str
+    device: str
+    batch_number: int | None
+    detail: str
+
+    def __post_init__(self):
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"numguard.Attribution: verdict={self.verdict!r} is not one of {VERDICTS}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def __str__(self):
+        where = f"rank {self.rank} " if self.rank is not None else ""
+        return (f"{self.verdict} (batch_number={self.batch_number}, {where}on {self.host} {self.device}): "
+                f"{self.detail}")
+
 
 class NonFiniteError(ValueError):
     """A watched tensor held NaN or +-Inf.
@@ -21,13 +61,16 @@ class NonFiniteError(ValueError):
             backward) or "parameter gradient" (before the optimizer step); None when unknown.
         own_module: this rank's own first offending module, or None when this rank's records
             are finite.
+        attribution: with watch(rerun=True) or numguard.rerun_step, a numguard.Attribution (the
+            rerun's verdict); None when no rerun ran.
     """
 
     def __init__(self, message: str, *, report: str = "", batch_number: int | None = None,
                  module: str | None = None, labels=(), rank: int | None = None, ranks=(),
                  fault_rank: int | None = None, fault_kind: str | None = None,
-                 own_module: str | None = None):
+                 own_module: str | None = None, attribution: Attribution | None = None):
         super().__init__(message)
+        self.attribution = attribution
         self.report = report
         self.batch_number = batch_number
         self.module = module
@@ -44,7 +87,12 @@ class AbortAfterBatch(ValueError):
 
 
 class NonFiniteWarning(UserWarning):
-    """on_trip="warn" or "dump": a watched tensor held NaN or +-Inf; training goes on."""
+    """on_trip="warn" or "dump" (or a transient fault a rerun recovered): a watched tensor held NaN
+    or +-Inf; training goes on. `attribution`: the rerun's numguard.Attribution, or None."""
+
+    def __init__(self, message, attribution=None):
+        super().__init__(message)
+        self.attribution = attribution
 
 
 class HeadroomWarning(UserWarning):
@@ -54,19 +102,21 @@ class HeadroomWarning(UserWarning):
 class SpikeWarning(UserWarning):
     """watch(spikes=True): a module's value jumped far outside its own recent range (NOTE: [spike
     rule] in numguard.inspector.spikes). `spike`: module, class, quantity, value, baseline, factor,
-    batch, rank."""
+    batch, rank. `attribution`: with rerun=True, the rerun's numguard.Attribution (else None)."""
 
-    def __init__(self, message, spike=None):
+    def __init__(self, message, spike=None, attribution=None):
         super().__init__(message)
         self.spike = spike
+        self.attribution = attribution
 
 
 class SpikeError(RuntimeError):
     """watch(spikes="raise"): as SpikeWarning, raised; `spike` says where."""
 
-    def __init__(self, message, spike=None):
+    def __init__(self, message, spike=None, attribution=None):
         super().__init__(message)
         self.spike = spike
+        self.attribution = attribution
 
 
 class InspectorWarning(UserWarning):

@@ -211,6 +211,21 @@ def replay_lines(replay) -> list[str]:
     return [f"numguard: could not replay {module}: {reason}"]
 
 
+def rerun_text(rerun) -> str:
+    """One sentence on what watch(rerun=True)'s rerun of the batch said (numguard.inspector.rerun)."""
+    if not isinstance(rerun, dict):
+        return ""
+    verdict = rerun.get("verdict")
+    if not verdict:
+        return f"rerun of batch {rerun.get('batch')}: no verdict ({rerun.get('reason') or 'no reason given'})"
+    return f"rerun verdict: {verdict} ({rerun.get('detail') or ''})"
+
+
+def rerun_lines(rerun) -> list[str]:
+    text = rerun_text(rerun)
+    return [f"numguard: {text}"] if text else []
+
+
 def first_fault_lines(fault, own_module, own_section) -> list[str]:
     """The earliest NaN/Inf across ranks, when it was on another rank than this report's: this
     rank's own non-finite values came after it, carried by a collective (NOTE: [earliest fault]
@@ -257,6 +272,7 @@ def summary_lines(report: dict) -> list[str]:
         out.append(f"numguard: first non-finite operation: {operation.get('op')} in {name} "
                    f"({op_class}){site}" + (": " + ", ".join(values) if values else ""))
     out.extend(replay_lines(report.get("replay")))
+    out.extend(rerun_lines(report.get("rerun")))
     ranks = report.get("ranks") or []
     if ranks:
         out.append("numguard: ranks that tripped: " + ", ".join(

@@ -72,6 +72,7 @@ REFERENCE = {  # variable -> (reading of the stripped text, default)
     "NUMGUARD_BACKWARD": (lambda t: {"0": False, "1": True}.get(t, ERROR), False),
     "NUMGUARD_OPS": (lambda t: {"0": False, "1": True}.get(t, ERROR), False),
     "NUMGUARD_REPLAY": (lambda t: {"0": False, "1": True}.get(t, ERROR), False),
+    "NUMGUARD_RERUN": (lambda t: {"0": False, "1": True}.get(t, ERROR), False),
     "NUMGUARD_CHECK": (lambda t: t.lower() if t.lower() in ("sync", "async") else ERROR, "sync"),
     "NUMGUARD_CHECK_EVERY": (_whole(1, env.MAX_BATCH_NUMBER), 1),
     "NUMGUARD_ON_TRIP": (lambda t: t.lower() if t.lower() in ("raise", "warn", "dump") else ERROR, "raise"),

@@ -103,6 +103,8 @@ RULES = {
     "replay": _flag,
     "replicas": _int_in(0, env.MAX_BATCH_NUMBER),
     "spikes": _spikes,
+    "rerun": _flag,
+    "recover": _flag,
 }
 
 

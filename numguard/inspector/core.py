@@ -31,6 +31,7 @@ from .hooks import BatchState, ModuleHooks, active
 from .options import STDOUT, WatchOptions
 from .operations import OperationRecorder
 from .replay import InputKeeper
+from .rerun import RootRerun
 from .ring import FrameRing
 from .trips import Reporter
 from .watched_history import HistoryFeature
@@ -168,6 +169,7 @@ class Inspector(ModuleHooks):
         self._backward_watch = None       # backward=True (numguard.inspector.gradients)
         self._ops = None                  # ops=True (numguard.inspector.operations)
         self._keeper = None               # replay=True: each module's last inputs (numguard.inspector.replay)
+        self._rerun = None                # rerun=True: the root's kept calls (numguard.inspector.rerun)
         self._history = None              # history, advice and spikes (numguard.inspector.watched_history)
         self._registered = []             # weak refs of the modules counted in _watched
         self._created_at = _caller_site()
@@ -199,6 +201,10 @@ class Inspector(ModuleHooks):
             if opts.replay:
                 self._keeper = self._add(InputKeeper(self, self._ring.device))
                 self._keeper.install(self._owners, self._handles)
+            if opts.rerun:
+                self._rerun = self._add(RootRerun(self, model, self._ring.device, opts.recover))
+                self._rerun.install(model, self._handles)
+                self._reporter.attribution = self._rerun.attribution
             self._reporter.annotate = self._annotate_report
             if opts.replicas:  # removed with the other hooks at close()
                 from ..distributed import replicas
@@ -502,6 +508,10 @@ class Inspector(ModuleHooks):
         """The per-module history as plain data (the "history" field of a dump)."""
         return self._history.to_dict()
 
+    def attributions(self) -> list:
+        """Every rerun verdict so far (rerun=True), oldest first, as numguard.Attribution."""
+        return [] if self._rerun is None else list(self._rerun.results)
+
     def spikes(self) -> list:
         """Every spike found so far (spikes=True), oldest first: dicts of module, class, quantity,
         value, baseline, factor, batch, rank."""
@@ -527,7 +537,8 @@ class Inspector(ModuleHooks):
 # watch()'s options, read-only under the names they always had (report_to is settable).
 for _name, _option in {"on_trip": "on_trip", "check_mode": "check", "backward": "backward",
                        "headroom": "headroom", "dump_dir": "dump_dir", "extras": "extras",
-                       "scaler_skips": "scaler_skips", "ops": "ops", "replay": "replay"}.items():
+                       "scaler_skips": "scaler_skips", "ops": "ops", "replay": "replay",
+                       "rerun": "rerun"}.items():
     setattr(Inspector, _name, property(operator.attrgetter(f"options.{_option}"),
                                        doc=f"watch()'s {_option} option (read-only)"))
 

@@ -35,6 +35,7 @@ class Reporter:
         self.trip_message = None          # the NonFiniteError text, when the caller wants its own
         self.step_counter = None          # (label, read): a framework's step, shown next to the batch
         self.annotate = None              # annotate(report, offender index): adds fields before rendering
+        self.attribution = lambda rerun: None   # rerun field -> numguard.Attribution (watch(rerun=True))
         self.graph = None                 # the inspector's GraphRecorder (frames inside compiled graphs)
 
     def forget_graph_frames(self):
@@ -142,11 +143,17 @@ class Reporter:
         else:
             fault_module, fault_labels, fault_kind_ = (module if status.tripped else None), labels, kind
             fault_batch = batch if batch is not None else status.found_at
+        rerun = report.get("rerun") if report is not None else None
+        attribution = self.attribution(rerun) if rerun else None
+        if rerun:
+            msg += "; " + _report.rerun_text(rerun)
+            if rerun.get("recovered"):
+                on_trip = "warn"   # the rerun's output replaced the corrupted one (NOTE: [rerun verdict])
         if on_trip == "raise":
             raise NonFiniteError(msg, report=text, batch_number=fault_batch, module=fault_module,
                                  labels=fault_labels, rank=rank, ranks=[r for r, _ in ranks],
                                  fault_rank=fault_rank, fault_kind=fault_kind_,
-                                 own_module=module if status.tripped else None)
+                                 own_module=module if status.tripped else None, attribution=attribution)
         if on_trip == "dump" and report is not None:
             # Whatever goes wrong writing the file, the trip itself is still reported below.
             try:
@@ -156,7 +163,7 @@ class Reporter:
             except Exception as exc:
                 msg += (f"; could not write the dump file ({type(exc).__name__}: {exc}): fix "
                         f"dump_dir={self.options.dump_dir!r}")
-        warnings.warn(msg, NonFiniteWarning, stacklevel=5)
+        warnings.warn(NonFiniteWarning(msg, attribution), stacklevel=5)
 
     def _framework_step(self):
         """(label, value) of the step counter, or None; a counter that cannot be read is skipped

@@ -1,4 +1,5 @@
-"""Tools for checking numguard's promises in tests and benchmarks: a host-sync counter."""
+"""Tools for checking numguard's promises in tests and benchmarks: a host-sync counter, and the
+fault-injection harness (numguard.testing.faults)."""
 from __future__ import annotations
 
 import contextlib
@@ -9,7 +10,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_NUMGUARD_DIR = os.path.dirname(os.path.abspath(__file__))
+_NUMGUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _THIS_FILE = os.path.abspath(__file__)  # the counter's own frames are not numguard's work
 
 __all__ = ["SyncCounter"]

@@ -1,0 +1,381 @@
+"""Rerun and attribution (``watch(model, rerun=True)`` / NUMGUARD_RERUN=1): after a trip, run the
+batch's forward again to tell a glitch of the device from a fault in the data or the model.
+
+NOTE: [rerun verdict]
+At each root call the inputs are kept by reference (as replay keeps a module's: tensors with their
+version counters, containers item by item; nothing is copied on the device) with the state of
+the random generators (CPU and the model's device). When a check finds a NaN/Inf in a batch whose
+call is kept, the root forward runs again on those inputs, on the same device, under the same
+grad and autocast mode (the rerun runs inside the check), with the generators put back to their
+state at the call, and the module's buffers put back afterwards (a rerun must not count
+BatchNorm's running statistics twice). During the rerun every watched module's outputs are looked
+at (on the device; read once after the rerun), and:
+- every output finite: the same computation on the same inputs gave another answer, so the first
+  result was corrupted on the way (a bit flip in a register or in memory, a race): "transient";
+- a module's output non-finite again: the fault repeats on this device: "reproducible" (the data
+  or the model: the batch and the module are named). Telling a faulty device from the data needs a
+  data-parallel peer to run the same inputs ("device" when the peer does not reproduce it); that
+  exchange is not built yet, and the detail says that the peer was not asked.
+A rerun that cannot run (inputs changed in place or freed, a sharded model whose forward runs
+collectives, the rerun raising) gives no verdict and says why.
+
+Recovery (``recover=True``, the default with rerun): a transient fault found at the root's return
+(``check="sync"``, outside a multi-rank job: there the other ranks stop together) is recovered:
+the rerun's output, with its autograd graph, is returned in place of the corrupted one, the step
+goes on, and a NonFiniteWarning with the verdict says so.
+
+Memory: the kept references hold the inputs of the batches not yet checked (at most
+``check_every + 1``, one more with spikes) until their check; a DDP-wrapped model is rerun through
+its ``.module`` (DDP's forward would start collectives the other ranks never join).
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import socket
+
+import torch
+
+from .. import process as _process
+from ..errors import Attribution
+from . import replay as _replay
+from .features import Feature
+
+try:
+    from torch.nn.parallel import DistributedDataParallel as _DDP
+except Exception:  # noqa: BLE001 - a torch without distributed
+    _DDP = ()
+
+_Tensor = torch.Tensor
+
+
+class _Call:
+    """A root call kept for a rerun: its inputs (replay's kept values), the generators' states."""
+    __slots__ = ("batch", "args", "kwargs", "grad", "cpu_rng", "device_rng", "output", "versions",
+                 "before", "changed")
+
+    def __init__(self, batch, args, kwargs, grad, cpu_rng, device_rng):
+        self.batch, self.args, self.kwargs, self.grad = batch, args, kwargs, grad
+        self.cpu_rng, self.device_rng = cpu_rng, device_rng
+        self.output = None   # the first run's output, once the call returned
+        self.versions = ()   # (buffer, version counter) at the call
+        self.before = {}     # id(buffer) -> its copy at the call, for the buffers forwards update
+        self.changed = None  # ids of the buffers the call changed, once it returned
+
+
+def _tensors(value, out):
+    """The tensors inside an output (tuples, lists, dicts and ModelOutput, dataclass fields)."""
+    if isinstance(value, _Tensor):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _tensors(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _tensors(v, out)
+    elif hasattr(value, "__dataclass_fields__"):
+        for name in value.__dataclass_fields__:
+            _tensors(getattr(value, name, None), out)
+    return out
+
+
+def _bits(x):
+    """A tensor's bytes as one flat uint8 tensor (NaN == NaN, -0.0 != 0.0)."""
+    x = x.detach().contiguous()
+    return x.reshape(-1).view(torch.uint8) if x.numel() else x.reshape(-1).to(torch.uint8)
+
+
+def identical(a, b) -> bool:
+    """Whether two outputs hold the same tensors bit for bit (shapes, dtypes and bytes)."""
+    xs, ys = _tensors(a, []), _tensors(b, [])
+    if len(xs) != len(ys):
+        return False
+    for x, y in zip(xs, ys):
+        if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
+            return False
+        if not torch.equal(_bits(x), _bits(y)):
+            return False
+    return True
+
+
+class RootRerun(Feature):
+    """The root's kept calls and the rerun that judges a trip (NOTE: [rerun verdict])."""
+
+    def __init__(self, inspector, model, device, recover=True):
+        self.inspector = inspector
+        self.recover = recover
+        self.device = device
+        self.calls = collections.OrderedDict()   # batch -> _Call
+        opts = inspector.options
+        self.keep = opts.check_every + 1 + (1 if opts.spikes else 0)
+        self.running = False
+        self.replacement = None                  # a recovered output, returned by the root's hook
+        self.returning = None                    # the batch whose root call is returning now
+        self.model_ref = inspector._model_ref
+        self.results = []                        # every verdict, as Attribution
+        self.updated = ()                        # buffers the last call changed (copied at each call)
+        self.norms = []                          # the model's BatchNorm-like modules
+
+    def install(self, model, handles):
+        """A pre-hook keeping the root's inputs, a first forward hook keeping its output, and a
+        last one returning a recovered output."""
+        # BatchNorm's kernels update its running statistics without moving their version counters.
+        self.norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)]
+        handles.append(model.register_forward_pre_hook(
+            torch.compiler.disable(self._keep), with_kwargs=True))
+        handles.append(model.register_forward_hook(
+            torch.compiler.disable(self._returned), prepend=True))
+        handles.append(model.register_forward_hook(torch.compiler.disable(self._swap)))
+
+    # -- keeping the calls (no device work) ------------------------------------------------------
+    def _keep(self, module, args, kwargs):
+        insp = self.inspector
+        if self.running or insp._batch.depth != 1 or insp._batch.closed:
+            return None
+        self.replacement = self.returning = None
+        try:
+            call = _Call(insp._batch.done, tuple(_replay._keep_value(a, False) for a in args),
+                         {k: _replay._keep_value(v, False) for k, v in kwargs.items()},
+                         torch.is_grad_enabled(), torch.random.get_rng_state(), self._device_rng_state())
+            # The buffers a forward updates (BatchNorm's statistics; learned from the last call) are
+            # copied: a corrupted forward poisons them, and a rerun or a recovery starts from these.
+            call.versions = [(b, b._version) for b in module.buffers()]
+            copied = [b for b, _ in call.versions if id(b) in self.updated] + [
+                b for m in self.norms if m.training and m.track_running_stats
+                for b in (m.running_mean, m.running_var, m.num_batches_tracked)
+                if b is not None and id(b) not in self.updated]
+            if copied:   # one multi-tensor launch per device and dtype, no wait
+                call.before = dict(zip(map(id, copied), torch._foreach_mul([b.detach() for b in copied], 1)))
+            self.calls[call.batch] = call
+            while len(self.calls) > self.keep:
+                self.calls.popitem(last=False)
+        except Exception:  # e.g. inference tensors have no version counter: no rerun of this call
+            self.calls.pop(insp._batch.done, None)
+        return None
+
+    def _returned(self, module, args, output):
+        insp = self.inspector
+        if self.running or insp._batch.depth != 1:
+            return None
+        call = self.calls.get(insp._batch.done)
+        if call is not None:
+            call.output = output
+            self.updated = {id(b) for b, v in call.versions if b._version != v}
+            call.changed = self.updated | set(call.before)
+            self.returning = call.batch
+        return None
+
+    def _swap(self, module, args, output):
+        out, self.replacement, self.returning = self.replacement, None, None
+        return out
+
+    def _device_rng_state(self):
+        if self.device.type == "cuda":
+            return torch.cuda.get_rng_state(self.device)
+        return None
+
+    def device_moved(self, device):
+        self.device = device
+        self.calls.clear()
+
+    def frames_confirmed(self, ring, start, boundary):
+        if boundary > 0:
+            healthy = ring.frames[boundary - 1].batch
+            keep_from = healthy if self.inspector.options.spikes else healthy + 1  # a spike is read one check later
+            for b in [b for b in self.calls if b < keep_from]:
+                del self.calls[b]
+
+    def close(self):
+        self.calls.clear()
+        self.replacement = None
+
+    # -- the rerun -------------------------------------------------------------------------------
+    def annotate_report(self, report, offender):
+        frame = self.inspector._ring.frames[offender]
+        if frame.section != "forward":
+            result = {"verdict": None, "batch": frame.batch, "reason": (
+                f"the first non-finite value is in the {frame.section} pass; watch(rerun=True) reruns the "
+                "forward: wrap the step in numguard.rerun_step(fn) to rerun its backward too")}
+        else:
+            result = self.rerun(frame.batch, found_at_return=self._at_return(report, frame.batch))
+        report["rerun"] = result
+
+    def _at_return(self, report, batch):
+        insp = self.inspector
+        return (self.returning == batch and insp.options.check == "sync" and insp._batch.depth == 0
+                and insp._batch.done == batch + 1)
+
+    def rerun_spike(self, spike, module):
+        """Rerun the batch of an output spike (a dict of numguard.inspector.spikes) and judge it by
+        the spiked module's output abs max in the rerun: at or above the geometric middle of the
+        spike and its baseline, the spike repeats ("reproducible"); below it, "transient"."""
+        if spike.get("quantity") != "output abs max" or module is None:
+            return None
+        result = self.rerun(spike["batch"], watch_module=module, spike=spike)
+        return self.attribution(result)
+
+    def rerun(self, batch, found_at_return=False, watch_module=None, spike=None) -> dict:
+        """Rerun the root forward of `batch`; the report's "rerun" field (verdict, or why none).
+        `watch_module`, `spike`: judge by this module's output abs max against the spike's."""
+        result = {"verdict": None, "batch": batch, "reason": "", "recovered": False}
+        call = self.calls.get(batch)
+        model = self.model_ref()
+        if call is None or model is None:
+            result["reason"] = (f"the inputs of batch {batch} are no longer kept (they are kept until the "
+                                "check after their batch)")
+            return result
+        if isinstance(_DDP, type) and isinstance(model, _DDP):
+            model = model.module
+        if any(type(m).__name__ in ("FullyShardedDataParallel", "FSDPModule") or
+               type(m).__name__.startswith("FSDP") for m in model.modules()):
+            result["reason"] = ("the model is sharded (FSDP): its forward runs collectives the other ranks "
+                                "would not join, so it was not rerun alone")
+            return result
+        try:
+            args, kwargs = _replay._resolve(call.args, call.kwargs)
+        except _replay._NotReplayable as exc:
+            result["reason"] = str(exc)
+            return result
+        try:
+            output, reproduced, watched, rerun_buffers = self._run(model, call, args, kwargs, watch_module)
+        except Exception as exc:  # the rerun never hides the trip
+            result["reason"] = f"the rerun raised {type(exc).__name__}: {exc}"
+            return result
+        same = None
+        if call.output is not None:
+            try:
+                same = identical(call.output, output)
+            except Exception:  # noqa: BLE001 - a comparison numguard cannot make is left out
+                same = None
+        result.update(identical=same, watched_abs_max=watched)
+        if spike is not None:
+            if watched is None:
+                result["reason"] = f"the rerun did not call {spike['module'] or '(root module)'}"
+                return result
+            middle = (spike["value"] * max(spike["baseline"], 1e-300)) ** 0.5
+            where = f"{spike['module'] or '(root module)'} ({spike['class']})"
+            if watched >= middle:
+                result.update(verdict="reproducible", module=spike["module"], **{"class": spike["class"]})
+                result["detail"] = (f"a rerun of batch {batch} gave {where} an output abs max of {watched:.3e} "
+                                    f"again (spike {spike['value']:.3e}, baseline {spike['baseline']:.3e}): the "
+                                    "spike comes from the data or the model; look at this batch")
+            else:
+                result["verdict"] = "transient"
+                result["detail"] = (f"a rerun of batch {batch} gave {where} an output abs max of {watched:.3e} "
+                                    f"(spike {spike['value']:.3e}, baseline {spike['baseline']:.3e}): the spike "
+                                    "did not repeat, the first result was corrupted on the way")
+            self.results.append(self.attribution(result))
+            return result
+        if reproduced is None:
+            result["verdict"] = "transient"
+            result["detail"] = (f"a rerun of batch {batch} on the same inputs and device (random state restored) "
+                                "gave finite values everywhere: the first result was corrupted on the way "
+                                "(a bit flip in a register or memory, a race), not by the data or the model")
+            unrestored = self._unrestored(call)
+            if found_at_return and self.recover and not _process.is_distributed() and not unrestored:
+                self.replacement = output
+                with torch.no_grad():   # the buffers as the clean forward left them
+                    for b, copy in rerun_buffers:
+                        b.data.copy_(copy)
+                result["recovered"] = True
+                result["detail"] += "; the rerun's output was returned in place of the corrupted one"
+            elif found_at_return and self.recover and unrestored:
+                result["detail"] += (f"; not recovered: the corrupted forward changed {unrestored} buffer(s) "
+                                     "numguard held no copy of (the first batch's, or buffers a forward "
+                                     "had not changed before)")
+        else:
+            name, cls = reproduced
+            result["verdict"] = "reproducible"
+            result["module"], result["class"] = name, cls
+            bits = {True: "bit for bit", False: "not bit for bit", None: ""}[same]
+            result["detail"] = (f"a rerun of batch {batch} on the same inputs and device (random state restored) "
+                                f"reproduced the non-finite value in {name or '(root module)'} ({cls})"
+                                + (f", its output {bits} the first run's" if bits else "")
+                                + ": look at this batch's data and at that module; no data-parallel peer was "
+                                  "asked to run it, so a device that fails the same way every time cannot be "
+                                  "told apart yet")
+        self.results.append(self.attribution(result))
+        return result
+
+    def attribution(self, result) -> Attribution | None:
+        if not result.get("verdict"):
+            return None
+        return Attribution(result["verdict"], _process.rank(default=None), socket.gethostname(), str(self.device),
+                           result.get("batch"), result.get("detail", ""))
+
+    def _run(self, model, call, args, kwargs, watch_module):
+        """One forward of `model` on the kept inputs, the inspector's hooks quiet; returns the
+        output, (name, class) of the first module whose output was non-finite (or None), and the
+        abs max of `watch_module`'s output (or None)."""
+        insp = self.inspector
+        names = {id(o.ref()): (o.name, o.cls) for o in insp._owners if o.ref is not None and o.ref() is not None}
+        flags = []          # (order, name, class, device bool: any non-finite)
+        watched = []
+        handles = []
+
+        def look(key, module, args_, output):
+            xs = _tensors(output, [])
+            floats = [x.detach() for x in xs if x.is_floating_point() or x.is_complex()]
+            if floats:
+                bad = torch.stack([~torch.isfinite(x).all() for x in floats]).any()
+                flags.append((names[key], bad))
+                if module is watch_module:
+                    watched.append(torch.stack([x.abs().max().double() if x.numel() else
+                                                x.new_zeros((), dtype=torch.float64) for x in floats]).max())
+            return None
+
+        for sub in model.modules():
+            if id(sub) in names:
+                handles.append(sub.register_forward_hook(functools.partial(look, id(sub))))
+        saved = [(b, b.detach().clone()) for b in model.buffers()]
+        with torch.no_grad():   # start from the buffers as they were at the call (those copied)
+            for b in model.buffers():
+                copy = call.before.get(id(b))
+                if copy is not None:
+                    b.data.copy_(copy)
+        rerun_buffers = ()
+        cpu_state = torch.random.get_rng_state()
+        dev_state = self._device_rng_state()
+        batch = insp._batch
+        closed, depth = batch.closed, batch.depth
+        batch.closed, batch.depth = True, depth + 1   # the inspector's own hooks stay quiet
+        self.running = True
+        try:
+            torch.random.set_rng_state(call.cpu_rng)
+            if call.device_rng is not None:
+                torch.cuda.set_rng_state(call.device_rng, self.device)
+            with torch.set_grad_enabled(call.grad):
+                output = model(*args, **kwargs)
+            rerun_buffers = [(b, b.detach().clone()) for b in model.buffers()
+                             if id(b) in (call.changed or ())]
+        finally:
+            self.running = False
+            batch.closed, batch.depth = closed, depth
+            for h in handles:
+                h.remove()
+            torch.random.set_rng_state(cpu_state)
+            if dev_state is not None:
+                torch.cuda.set_rng_state(dev_state, self.device)
+            with torch.no_grad():
+                for b, copy in saved:
+                    b.data.copy_(copy)
+        reproduced = None
+        if flags:
+            bad = torch.stack([f for _, f in flags]).tolist()   # one read, after the rerun
+            for (name_cls, _), hit in zip(flags, bad):
+                if hit:
+                    reproduced = name_cls
+                    break
+        top = _tensors(output, [])
+        if reproduced is None and any(x.is_floating_point() and x.numel() and not bool(torch.isfinite(x).all())
+                                      for x in top):
+            reproduced = names.get(id(model), ("", type(model).__name__))
+        return output, reproduced, float(watched[0]) if watched else None, rerun_buffers
+
+    @staticmethod
+    def _unrestored(call):
+        """How many buffers the call changed that were not copied at the call."""
+        return sum(1 for i in (call.changed or ()) if i not in call.before)
+
+
+__all__ = ["RootRerun", "identical"]

@@ -1,0 +1,327 @@
+"""watch(rerun=True): after a trip the batch's forward runs again on the same inputs and device,
+and the verdict (NOTE: [rerun verdict] in numguard/inspector/rerun.py) travels on the error or the
+warning as a numguard.Attribution; a transient fault found at the root's return is recovered."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import numguard
+from numguard import env
+from numguard.inspector.spikes import ARM
+from numguard.testing import SyncCounter, faults
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.norm = nn.BatchNorm1d(16)
+        self.drop = nn.Dropout(0.5)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(self.drop(torch.relu(self.norm(self.inp(x)))))
+
+
+def _once_inf(module):
+    """A hook (before numguard's) that makes the module's output +inf at one element, once."""
+    state = {"armed": False}
+
+    def hook(mod, args, out):
+        if state["armed"]:
+            state["armed"] = False
+            out = out.clone()
+            out.view(-1)[3] = float("inf")
+            return out
+        return None
+    module.register_forward_hook(hook, prepend=True)
+    return lambda: state.update(armed=True)
+
+
+def _warnings_of(category, fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn()
+    return result, [w.message for w in caught if isinstance(w.message, category)]
+
+
+def test_a_transient_fault_at_the_root_return_is_recovered_and_training_goes_on():
+    torch.manual_seed(0)
+    model = Net()
+    arm = _once_inf(model.inp)
+    insp = numguard.watch(model, rerun=True, report_to=None)
+    x = torch.randn(32, 8)
+    model(x).sum().backward()
+    arm()
+    torch.manual_seed(5)
+    out, warned = _warnings_of(numguard.errors.NonFiniteWarning, lambda: model(x))
+    assert len(warned) == 1
+    att = warned[0].attribution
+    assert isinstance(att, numguard.Attribution)
+    assert att.verdict == "transient" and att.batch_number == 1 and att.device == "cpu" and att.rank is None
+    assert "returned in place of the corrupted one" in att.detail and "rerun verdict: transient" in str(warned[0])
+    assert bool(torch.isfinite(out).all()) and out.grad_fn is not None
+    # The recovered output is the same computation: dropout drew the same mask (random state restored).
+    torch.manual_seed(5)
+    with torch.no_grad():
+        model.norm.eval()
+        model.norm.train()
+    out.sum().backward()  # its autograd graph works
+    assert insp.attributions() == [att]
+    assert insp.last_report["rerun"]["verdict"] == "transient" and insp.last_report["rerun"]["recovered"]
+    model(x)  # the next batch is watched as before
+    insp.close()
+
+
+def test_the_recovered_output_equals_a_clean_forward_and_buffers_count_once():
+    torch.manual_seed(0)
+    model = Net()
+    clean = Net()
+    clean.load_state_dict(model.state_dict())
+    arm = _once_inf(model.inp)
+    insp = numguard.watch(model, rerun=True, report_to=None)
+    x = torch.randn(32, 8)
+    arm()
+    torch.manual_seed(7)
+    out, warned = _warnings_of(numguard.errors.NonFiniteWarning, lambda: model(x))
+    torch.manual_seed(7)
+    expected = clean(x)
+    assert warned and torch.equal(out, expected)
+    # BatchNorm's running statistics moved once (the rerun's update was put back), as in the clean model.
+    assert torch.equal(model.norm.running_mean, clean.norm.running_mean)
+    assert int(model.norm.num_batches_tracked) == int(clean.norm.num_batches_tracked) == 1
+    insp.close()
+
+
+def test_a_fault_that_repeats_is_reproducible_and_raises_with_the_attribution():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    insp = numguard.watch(model, rerun=True, report_to=None)
+    with torch.no_grad():
+        model[0].bias.fill_(float("nan"))
+    with pytest.raises(numguard.NonFiniteError) as info:
+        model(torch.randn(2, 4))
+    att = info.value.attribution
+    assert att.verdict == "reproducible" and att.batch_number == 0
+    assert "0 (Linear)" in att.detail and "bit for bit" in att.detail
+    assert "rerun verdict: reproducible" in str(info.value)
+    insp.close(check=False)
+
+
+@pytest.mark.parametrize("why", ["recover_off", "async"])
+def test_without_recovery_a_transient_fault_still_trips_with_its_verdict(why):
+    torch.manual_seed(0)
+    model = Net()
+    arm = _once_inf(model.inp)
+    opts = {"recover": False} if why == "recover_off" else {"check": "async"}
+    insp = numguard.watch(model, rerun=True, report_to=None, **opts)
+    x = torch.randn(32, 8)
+    arm()
+    with pytest.raises(numguard.NonFiniteError) as info:
+        model(x)
+        model(x)  # async: the trip of batch 0 is read at batch 1's check
+    att = info.value.attribution
+    assert att.verdict == "transient" and att.batch_number == 0
+    assert "returned in place" not in att.detail
+    insp.close(check=False)
+
+
+def test_inputs_changed_in_place_give_no_verdict_and_say_why():
+    model = nn.Linear(4, 4)
+    insp = numguard.watch(model, rerun=True, report_to=None, check="async")
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        model.bias.fill_(float("inf"))
+    model(x)
+    x.add_(1)  # the batch's input changed before its (async) check
+    with pytest.raises(numguard.NonFiniteError) as info:
+        model(torch.randn(2, 4))
+    assert info.value.attribution is None
+    assert "changed in place" in insp.last_report["rerun"]["reason"]
+    assert "no verdict" in str(info.value)
+    insp.close(check=False)
+
+
+def test_the_dump_holds_the_rerun(tmp_path):
+    model = nn.Linear(4, 4)
+    insp = numguard.watch(model, rerun=True, report_to=None, on_trip="dump", dump_dir=tmp_path)
+    with torch.no_grad():
+        model.bias.fill_(float("nan"))
+    _, warned = _warnings_of(numguard.errors.NonFiniteWarning, lambda: model(torch.randn(2, 4)))
+    assert warned and warned[0].attribution.verdict == "reproducible"
+    (path,) = tmp_path.glob("*.json")
+    data = numguard.dump.load(path)
+    assert data["rerun"]["verdict"] == "reproducible"
+    assert "rerun verdict: reproducible" in numguard.dump.render_file(path) or json.loads(path.read_text())["rerun"]
+    insp.close(check=False)
+
+
+def _train_with_spike(fault_kwargs, steps=ARM + 8):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaled = {"on": False, "always": fault_kwargs["persistent"]}
+
+    def scale(mod, args, out):
+        if scaled["on"]:
+            scaled["on"] = scaled["always"]
+            return out * 1000.0
+        return None
+    model[2].register_forward_hook(scale, prepend=True)
+    insp = numguard.watch(model, report_to=None, spikes=True, rerun=True)
+
+    def run():
+        for step in range(steps):
+            if step == ARM + 3:
+                scaled["on"] = True
+            out = model(torch.randn(32, 8))
+            if step == ARM + 3:
+                scaled["on"] = scaled["always"] = False if not fault_kwargs["persistent"] else True
+            opt.zero_grad()
+            out.pow(2).mean().backward()
+            opt.step()
+            if step == ARM + 4:
+                scaled["always"] = scaled["on"] = False
+    _, warned = _warnings_of(numguard.SpikeWarning, run)
+    insp.close(check=False)
+    return warned
+
+
+@pytest.mark.parametrize("persistent,verdict", [(False, "transient"), (True, "reproducible")])
+def test_a_spike_is_rerun_and_judged(persistent, verdict):
+    warned = _train_with_spike({"persistent": persistent})
+    assert warned
+    first = warned[0]
+    assert first.spike["module"] == "2" and first.attribution is not None
+    assert first.attribution.verdict == verdict and first.attribution.batch_number == ARM + 3
+    assert f"rerun verdict: {verdict}" in str(first)
+
+
+def test_rerun_adds_no_host_sync_on_healthy_steps():
+    def syncs(rerun):
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        insp = numguard.watch(model, report_to=None, rerun=rerun)
+        counts = []
+        for step in range(6):
+            counter = SyncCounter()
+            with counter():
+                opt.zero_grad()
+                model(torch.randn(32, 8)).pow(2).mean().backward()
+                opt.step()
+            counts.append(counter.numguard)
+        insp.close(check=False)
+        return counts
+    assert syncs(True) == syncs(False)
+
+
+def test_inputs_are_kept_only_until_their_check():
+    model = nn.Linear(4, 4)
+    insp = numguard.watch(model, rerun=True, report_to=None)
+    for _ in range(5):
+        model(torch.randn(2, 4))
+    assert len(insp._rerun.calls) <= 1
+    insp.close()
+    assert not insp._rerun.calls
+
+
+def test_the_option_and_its_variable(monkeypatch):
+    assert env.validate_watch_options({"rerun": True})["rerun"] is True
+    with pytest.raises(env.OptionError, match="rerun"):
+        env.validate_watch_options({"rerun": "yes"})
+    monkeypatch.setenv("NUMGUARD_RERUN", "1")
+    insp = numguard.watch(nn.Linear(2, 2), report_to=None)
+    assert insp.rerun is True and insp.options.recover is True
+    insp.close()
+    with pytest.raises(ValueError, match="verdict"):
+        numguard.Attribution("maybe", None, "h", "cpu", 0, "")
+
+
+def test_an_injected_exponent_flip_once_is_transient_and_persistent_is_reproducible():
+    results = {}
+    for persistent in (False, True):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+        with torch.no_grad():   # every output of the first layer is 1.5: exponent 127, all ones
+            model[0].weight.zero_()
+            model[0].bias.fill_(1.5)
+        insp = numguard.watch(model, rerun=True, report_to=None, on_trip="warn")
+        # the exponent's top bit: 1.5 -> exponent 255 with a non-zero mantissa: NaN
+        with faults.inject_output(model[0], "exponent", persistent=persistent, bit=30) as fault:
+            _, warned = _warnings_of(numguard.errors.NonFiniteWarning, lambda: model(torch.randn(2, 8)))
+        assert fault.fired == (1 if not persistent else 2)   # persistent: the rerun fails too
+        results[persistent] = warned[0].attribution.verdict
+        insp.close(check=False)
+    assert results == {False: "transient", True: "reproducible"}
+
+
+def _grad_nan_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    return model
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_rerun_step_judges_a_fault_in_the_backward(persistent):
+    model = _grad_nan_model()
+    insp = numguard.watch(model, backward=True, report_to=None)
+    state = {"left": 0}
+
+    def poison(grad):   # a fault in the backward: the gradient of the last layer's output
+        if state["left"] > 0:
+            state["left"] -= 1
+            return grad * float("inf")
+        return grad
+
+    calls = []
+
+    @numguard.rerun_step
+    def step(x):
+        calls.append(1)
+        out = model(x)
+        out.register_hook(poison)
+        out.sum().backward()
+        return out
+
+    x = torch.randn(3, 4)
+    step(x)   # a healthy step
+    model.zero_grad(set_to_none=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.grad.fill_(0.25)   # accumulated gradients the rerun must start from again
+    before = [p.grad.clone() for p in model.parameters()]
+    clean = _grad_nan_model()
+    clean.load_state_dict(model.state_dict())
+    clean(x).sum().backward()
+    batch = insp.batch_number + 1
+    state["left"] = 1 if not persistent else 99
+    if persistent:
+        with pytest.raises(numguard.NonFiniteError) as info:
+            step(x)
+        assert info.value.attribution.verdict == "reproducible"
+        assert info.value.attribution.batch_number == batch
+    else:
+        out, warned = _warnings_of(numguard.errors.NonFiniteWarning, lambda: step(x))
+        assert warned and warned[0].attribution.verdict == "transient"
+        assert bool(torch.isfinite(out).all())
+        # the gradients are the accumulated ones plus one clean backward, not two
+        for p, b, c in zip(model.parameters(), before, clean.parameters()):
+            assert torch.allclose(p.grad, b + c.grad)
+        assert insp.batch_number == batch   # the rerun did not count a batch
+    assert len(calls) == 3
+    insp.close(check=False)
+
+
+def test_rerun_step_checks_its_argument_and_passes_other_errors():
+    with pytest.raises(TypeError, match="not callable"):
+        numguard.rerun_step(3)
+
+    @numguard.rerun_step(recover=False)
+    def bad():
+        raise KeyError("x")
+    with pytest.raises(KeyError):
+        bad()
