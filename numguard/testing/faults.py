@@ -11,7 +11,7 @@ Bit classes (``BIT_CLASSES``), for a float format with E exponent and M mantissa
 (bit k of the exponent, k >= 3: a factor of 2^(2^k), up or down as the bit was 0 or 1);
 ``"high_mantissa"``: one of the top 3 mantissa bits (a change of 12.5% to 50%); ``"low_mantissa"``:
 one of the low M/2 bits (a change below 2^-(M/2) of the value, what only a bitwise comparison
-sees). The element and the bit are drawn from ``random.Random(seed)``; nothing is read back to the
+sees). A persistent fault flips the same element and bit at every call (a failing unit). The element and the bit are drawn from ``random.Random(seed)``; nothing is read back to the
 host while injecting (``Fault.records()`` reads what was flipped, afterwards).
 """
 from __future__ import annotations
@@ -88,8 +88,11 @@ class Fault:
         return call >= self.at_call if self.persistent else call == self.at_call
 
     def flip(self, x, where):
-        index = self.rng.randrange(x.numel())
-        bit = choose_bit(x.dtype, self.kind, self.rng) if self.bit is None else self.bit
+        if self.persistent and self.log and self.log[0][1] < x.numel():
+            index, bit = self.log[0][1], self.log[0][2]   # a failing device: the same place every time
+        else:
+            index = self.rng.randrange(x.numel())
+            bit = choose_bit(x.dtype, self.kind, self.rng) if self.bit is None else self.bit
         width = torch.iinfo(_LAYOUT[x.dtype][2]).bits
         if not 0 <= bit < width:
             raise ValueError(f"numguard.testing.faults: bit={bit} is outside a {x.dtype} element (0..{width - 1})")
