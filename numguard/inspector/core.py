@@ -202,7 +202,7 @@ class Inspector(ModuleHooks):
                 self._keeper = self._add(InputKeeper(self, self._ring.device))
                 self._keeper.install(self._owners, self._handles)
             if opts.rerun:
-                self._rerun = self._add(RootRerun(self, model, self._ring.device, opts.recover))
+                self._rerun = self._add(RootRerun(self, self._ring.device, opts.recover))
                 self._rerun.install(model, self._handles)
                 self._reporter.attribution = self._rerun.attribution
             self._reporter.annotate = self._annotate_report

@@ -101,10 +101,11 @@ def identical(a, b) -> bool:
 class RootRerun(Feature):
     """The root's kept calls and the rerun that judges a trip (NOTE: [rerun verdict])."""
 
-    def __init__(self, inspector, model, device, recover=True):
+    def __init__(self, inspector, device, recover=True):
         self.inspector = inspector
         self.recover = recover
         self.device = device
+        self.generator = self._device_generator(device)   # None on the CPU (its state is kept anyway)
         self.calls = collections.OrderedDict()   # batch -> _Call
         opts = inspector.options
         self.keep = opts.check_every + 1 + (1 if opts.spikes else 0)
@@ -169,13 +170,16 @@ class RootRerun(Feature):
         out, self.replacement, self.returning = self.replacement, None, None
         return out
 
+    @staticmethod
+    def _device_generator(device):
+        return _replay._generator(device) if device.type == "cuda" else None
+
     def _device_rng_state(self):
-        if self.device.type == "cuda":
-            return torch.cuda.get_rng_state(self.device)
-        return None
+        return None if self.generator is None else self.generator.get_state()
 
     def device_moved(self, device):
         self.device = device
+        self.generator = self._device_generator(device)
         self.calls.clear()
 
     def frames_confirmed(self, ring, start, boundary):
@@ -343,7 +347,7 @@ class RootRerun(Feature):
         try:
             torch.random.set_rng_state(call.cpu_rng)
             if call.device_rng is not None:
-                torch.cuda.set_rng_state(call.device_rng, self.device)
+                self.generator.set_state(call.device_rng)
             with torch.set_grad_enabled(call.grad):
                 output = model(*args, **kwargs)
             rerun_buffers = [(b, b.detach().clone()) for b in model.buffers()
@@ -355,7 +359,7 @@ class RootRerun(Feature):
                 h.remove()
             torch.random.set_rng_state(cpu_state)
             if dev_state is not None:
-                torch.cuda.set_rng_state(dev_state, self.device)
+                self.generator.set_state(dev_state)
             with torch.no_grad():
                 for b, copy in saved:
                     b.data.copy_(copy)
