@@ -69,6 +69,42 @@ def test_a_spike_in_one_module_is_named_there_at_its_batch(backend, backward):
     assert insp.spikes()[0] == first
 
 
+@pytest.mark.parametrize("plant_offset", [0, 1, 2])
+def test_every_batch_of_a_check_is_tested_with_check_every(plant_offset):
+    # check_every=3 folds three batches at once: a spike in any of them is named at its own batch.
+    model = Net()
+    plant = _scale_output_of(model.mid, 1000.0)
+    at = ARM + 6 + plant_offset   # three consecutive batches: the first, middle and last of one check
+    insp, warned = _train(model, ARM + 14, backward=False, plant_at=at, plant=plant, spikes=True,
+                          check_every=3)
+    spikes = [w.message.spike for w in warned]
+    assert [(s["module"], s["batch"]) for s in spikes] == [("mid", at)]
+
+
+def test_a_spike_before_a_skipped_optimizer_step_is_found_with_backward_watching():
+    # A step that skips optimizer.step() (a GradScaler skip, gradient accumulation) leaves its batch
+    # to be checked with the next one: the spike in the first is still found, at its batch.
+    model = Net()
+    plant = _scale_output_of(model.mid, 1000.0)
+    at = ARM + 4
+    torch.manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        insp = numguard.watch(model, report_to=None, backward=True, spikes=True)
+        for step in range(ARM + 10):
+            plant(step == at)
+            opt.zero_grad()
+            model(torch.randn(32, 8)).pow(2).mean().backward()
+            if step != at:
+                opt.step()
+        insp.close(check=False)
+    spikes = [w.message.spike for w in caught if issubclass(w.category, numguard.SpikeWarning)]
+    assert spikes and (spikes[0]["module"], spikes[0]["batch"], spikes[0]["quantity"]) == ("mid", at, "output abs max")
+    # Each batch is tested once: the spike is not reported again at a later check.
+    assert [(s["module"], s["batch"], s["quantity"]) for s in spikes].count(("mid", at, "output abs max")) == 1
+
+
 def test_raise_mode_stops_with_a_spike_error():
     model = Net()
     plant = _scale_output_of(model.inp, 1e4)

@@ -185,7 +185,8 @@ class RootRerun(Feature):
     def frames_confirmed(self, ring, start, boundary):
         if boundary > 0:
             healthy = ring.frames[boundary - 1].batch
-            keep_from = healthy if self.inspector.options.spikes else healthy + 1  # a spike is read one check later
+            # A spike is read one check later, in any batch of this fold.
+            keep_from = ring.frames[start].batch if self.inspector.options.spikes and start < boundary else healthy + 1
             for b in [b for b in self.calls if b < keep_from]:
                 del self.calls[b]
 

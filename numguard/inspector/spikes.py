@@ -4,8 +4,9 @@ check (``watch(model, spikes=True)``; NUMGUARD_SPIKES).
 NOTE: [spike rule]
 What is watched is what the per-module history (numguard.inspector.history) already holds for
 every batch: the abs max of each module's outputs and, with ``backward=True``, of the gradients
-its backward produced. After each fold, the newest batch's value v of each module is compared
-with the module's own baseline, the other batches of the history window (up to 63):
+its backward produced. After each fold, every batch it brought in (one per check; several with
+check_every=N or when a step skipped its optimizer step) is tested: its value v of each module is
+compared with the module's own baseline, the batches folded before it (up to 63):
 
     spike  <=>  log v - median(log baseline) > max(K * 1.4826 * MAD(log baseline), log MIN_FACTOR)
 
@@ -21,9 +22,10 @@ an exponent, a bad batch) looks like. A gradient's abs max is one element of a h
 distribution: in a healthy 300-step run (tests/test_spikes.py) it jumped 11.5x its median, so its
 floor is MIN_GRADIENT_FACTOR = 100 (an exponent bit flip changes a value by 2^8 or more).
 
-The verdict rides on the one read per check: the first spike in time (the forwards' outputs in
-the order they returned, then the gradients in the backward's order) is written into free words of the ring's state buffer (SPIKE_WORDS),
-which the next check reads with the trip flag; no host sync is added.
+The verdict rides on the one read per check: the first spike in time (the earliest batch; in it,
+the forwards' outputs in the order they returned, then the gradients in the backward's order) is
+written into free words of the ring's state buffer (SPIKE_WORDS) as a code of batch offset,
+module and quantity, which the next check reads with the trip flag; no host sync is added.
 """
 from __future__ import annotations
 
@@ -40,7 +42,8 @@ MAD_TO_SIGMA = 1.4826
 MIN_FACTOR = 10.0            # outputs
 MIN_GRADIENT_FACTOR = 100.0  # gradients: their abs max is heavy-tailed even in healthy training
 ARM = 16
-# State buffer words (numguard.inspector.ring._STATE_BUFFER): the spike's (row * 2 + field) + 1
+# State buffer words (numguard.inspector.ring._STATE_BUFFER): the spike's code
+# ((batch offset * modules + row) * 2 + field) + 1
 # (0: none), then its value and its baseline as float64 bits.
 SPIKE_CODE, SPIKE_VALUE, SPIKE_BASELINE = 5, 6, 7
 SPIKE_WORDS = slice(SPIKE_CODE, SPIKE_BASELINE + 1)
@@ -54,7 +57,8 @@ class SpikeDetector:
     def __init__(self, mode):
         self.mode = mode          # "warn" or "raise"
         self.found = []           # every spike reported, as dicts (Inspector.spikes())
-        self.pending_batch = None  # the batch the last fold tested (its verdict is read next check)
+        self.pending = None        # (first batch, modules) of the last fold's test, read next check
+        self._last_tested = None   # the newest batch the last fold tested
         self._rank_of_row = None   # device int64[M]: each module's place in execution order
         self._floor = None         # device float64[2]: log of the outputs' and gradients' floors
 
@@ -72,66 +76,96 @@ class SpikeDetector:
         return host_to_device(torch.tensor(order, dtype=torch.int64), device)
 
     def after_fold(self, history, state_buf, frames=()):
-        """Test the newest batch of `history` and write a first spike (in execution order) into
-        `state_buf` unless one is already waiting to be read. Device ops only (the execution order
-        is copied to the device once, without waiting)."""
-        batches = [(b, slot) for slot, b in enumerate(history.slot_batch) if b is not None]
-        if len(batches) <= ARM:
+        """Test every batch this fold brought in (`frames`: with check_every=N, or a backward whose
+        step was skipped, a fold holds several) against the module's other batches, and write the
+        first spike in time (earliest batch, then execution order) into `state_buf` unless one is
+        already waiting to be read. Device ops only (the execution order is copied to the device
+        once, and an index list only when a folded batch left no record, without waiting)."""
+        if not frames:
             return
-        if self._rank_of_row is None or self._rank_of_row.device != history.table.device:
-            self._rank_of_row = self._execution_order(frames, history.table.shape[0], history.table.device)
-        newest, slot = max(batches)
         table = history.table                                  # [modules, window, fields]
+        window = table.shape[1]
+        lo, hi = sorted((frames[0].batch, frames[-1].batch))
+        # A batch whose forward was folded (and tested) by the last fold and whose backward is in
+        # this one (the first batch with backward=True) is tested again for its gradients only.
+        spanning = lo == self._last_tested
+        lo = max(lo, hi - window + 1)
+        self._last_tested = hi
+        present = {b: slot for slot, b in enumerate(history.slot_batch) if b is not None}
+        tested = [b for b in range(lo, hi + 1) if b in present]
+        if not tested or len(present) <= ARM:
+            return
+        if self._rank_of_row is None or self._rank_of_row.device != table.device:
+            self._rank_of_row = self._execution_order(frames, table.shape[0], table.device)
+        device = table.device
+        first_batch = tested[0]
+        slots = torch.arange(window, device=device)
+        offset = (slots - first_batch % window) % window        # [W]: each slot's batch - first_batch
+        if len(tested) == tested[-1] - first_batch + 1:         # every batch in the range left records
+            is_tested = offset < len(tested)
+        else:
+            mask = torch.zeros(window, dtype=torch.bool)
+            mask[[present[b] for b in tested]] = True
+            is_tested = host_to_device(mask, device)
         # A strided slice, not a list index (which would copy an index tensor from the host).
         values = table[:, :, OUT_MAX:GRAD_MAX + 1:GRAD_MAX - OUT_MAX]  # [M, W, 2]: outputs, gradients
-        v = values[:, slot, :]                                  # [M, 2]
-        # The baseline: every other slot (a mask, not a boolean index, which would wait for the device).
-        others = (torch.arange(table.shape[1], device=table.device) != slot).view(1, -1, 1)
-        base = values
-        valid = (base > 0) & torch.isfinite(base) & others
-        logs = torch.where(valid, base.clamp(min=1e-300).log(), torch.full_like(base, math.nan))
-        med = logs.nanmedian(dim=1).values                      # [M, 2] (NaN: no baseline)
-        mad = (logs - med.unsqueeze(1)).abs().nanmedian(dim=1).values
-        armed = valid.sum(dim=1) >= ARM
-        lv = torch.where((v > 0) & torch.isfinite(v), v.clamp(min=1e-300).log(), torch.full_like(v, -math.inf))
+        # The baseline: the batches folded before (a mask, not a boolean index, which would wait
+        # for the device).
+        valid = (values > 0) & torch.isfinite(values)
+        base = valid & ~is_tested.view(1, -1, 1)
+        logs = torch.where(valid, values.clamp(min=1e-300).log(), torch.full_like(values, -math.inf))
+        base_logs = torch.where(base, logs, torch.full_like(values, math.nan))
+        med = base_logs.nanmedian(dim=1).values                  # [M, 2] (NaN: no baseline)
+        mad = (base_logs - med.unsqueeze(1)).abs().nanmedian(dim=1).values
+        armed = base.sum(dim=1) >= ARM
         if self._floor is None or self._floor.device != mad.device:
             floor = torch.tensor([math.log(MIN_FACTOR), math.log(MIN_GRADIENT_FACTOR)], dtype=mad.dtype)
             self._floor = host_to_device(floor, mad.device)
         margin = torch.maximum(K * MAD_TO_SIGMA * torch.nan_to_num(mad, nan=0.0), self._floor)
-        spike = armed & ((lv - med) > margin)
+        is_tested = is_tested.view(1, -1, 1)
+        if spanning and tested[0] == lo:
+            outputs = torch.arange(2, device=device) == 0
+            is_tested = is_tested & ~((offset == 0).view(1, -1, 1) & outputs.view(1, 1, 2))
+        spike = armed.unsqueeze(1) & is_tested & ((logs - med.unsqueeze(1)) > margin.unsqueeze(1))  # [M, W, 2]
         m = spike.shape[0]
-        # Order in time: every forward output (in the order the forwards returned), then the
-        # gradients (the backward runs the modules in reverse). Ranks are below 2m.
-        rank = self._rank_of_row.view(m, 1)
-        order = torch.cat([rank, 4 * m - rank], dim=1)
-        big = 4 * m + 1
-        first_order = torch.where(spike, order, torch.full_like(order, big)).amin()
-        hit = first_order < big
-        codes = torch.arange(m * 2, device=spike.device).view(m, 2)
-        first = torch.where(spike & (order == first_order), codes, torch.full_like(codes, m * 2)).amin()
+        # Order in time: batch by batch; within one, every forward output (in the order the
+        # forwards returned), then the gradients (the backward runs the modules in reverse).
+        # Ranks within a batch are below 4m + 1.
+        rank = self._rank_of_row.view(m, 1, 1)
+        per_batch = 4 * m + 1
+        order = offset.view(1, -1, 1) * per_batch + torch.cat([rank, 4 * m - rank], dim=2)
+        never = window * per_batch
+        first_order = torch.where(spike, order, torch.full_like(order, never)).amin()
+        hit = first_order < never
+        # The one element with that order (orders are distinct): its place in the table, and its
+        # code for the host, (batch offset * m + row) * 2 + field.
+        at = torch.where(spike & (order == first_order), torch.arange(spike.numel(), device=device).view_as(spike),
+                         torch.full_like(order, spike.numel())).amin().clamp(max=spike.numel() - 1)
+        row, field = at // (window * 2), at % 2
+        code = (offset.gather(0, (at // 2) % window) * m + row) * 2 + field
         # gather, not v[row, field]: indexing with 0-dim tensors reads them on the host
-        at = first.clamp(max=m * 2 - 1).view(1)
-        value = v.reshape(-1).gather(0, at).view(())
-        baseline = med.reshape(-1).gather(0, at).view(()).exp()
+        value = values.reshape(-1).gather(0, at.view(1)).view(())
+        baseline = med.reshape(-1).gather(0, (row * 2 + field).view(1)).view(()).exp()
         free = state_buf[SPIKE_CODE] == 0
-        word = torch.where(hit & free, first + 1, state_buf[SPIKE_CODE])
+        word = torch.where(hit & free, code + 1, state_buf[SPIKE_CODE])
         bits = torch.stack([value, baseline]).to(torch.float64).view(torch.int64)
         state_buf[SPIKE_CODE].copy_(word)
         state_buf[SPIKE_VALUE:SPIKE_BASELINE + 1].copy_(torch.where(hit & free, bits, state_buf[SPIKE_VALUE:]))
-        self.pending_batch = newest
+        self.pending = (first_batch, m)
 
     def read(self, values, owners, rank):
         """The spike a check read (its state words `values`), as a dict, or None."""
         code = values[SPIKE_CODE] if len(values) > SPIKE_CODE else 0
-        if not code:
+        if not code or self.pending is None:
             return None
-        code -= 1
+        first_batch, m = self.pending
+        offset, code = divmod(code - 1, 2 * m)
         row, field = divmod(code, 2)
         value, baseline = struct.unpack("<2d", struct.pack("<2q", *values[SPIKE_VALUE:SPIKE_BASELINE + 1]))
         owner = owners[row] if 0 <= row < len(owners) else None
         spike = {"module": None if owner is None else owner.name, "class": None if owner is None else owner.cls,
                  "quantity": QUANTITIES[field], "value": value, "baseline": baseline,
-                 "factor": value / baseline if baseline > 0 else math.inf, "batch": self.pending_batch,
+                 "factor": value / baseline if baseline > 0 else math.inf, "batch": first_batch + offset,
                  "rank": rank}
         self.found.append(spike)
         return spike
