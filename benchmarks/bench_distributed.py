@@ -194,7 +194,7 @@ def _cross_rank_worker(out: str, iters: int, reps: int) -> None:
     dist.init_process_group("gloo")
     import numguard
     import numguard.distributed as ngd
-    from numguard.distributed import coordination
+    from numguard.distributed import trip_exchange
     from numguard.inspector import checks
 
     rank = dist.get_rank()
@@ -234,8 +234,8 @@ def _cross_rank_worker(out: str, iters: int, reps: int) -> None:
 
     flag = torch.zeros((), dtype=torch.int64)
     numbers = [0.0, 1e-3, 1e-4, 1e-9, 0.0, 0.01]
-    calls = {"exchange today": lambda i: coordination.exchange_trip(flag, batch_number=i),
-             "exchange with numbers": lambda i: coordination.exchange_trip(flag, batch_number=i,
+    calls = {"exchange today": lambda i: trip_exchange.exchange_trip(flag, batch_number=i),
+             "exchange with numbers": lambda i: trip_exchange.exchange_trip(flag, batch_number=i,
                                                                            numbers=numbers)}
     params = [p for p in ddp.parameters()]
     flat = torch.cat([p.detach().reshape(-1) for p in params])

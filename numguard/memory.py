@@ -179,7 +179,7 @@ _WORDS = _HEAD + _TEXT_BYTES // 8
 
 
 # NOTE: [finder group] The exchange runs on a gloo group of its own, built the way numguard's
-# channel builds its groups (numguard.distributed.coordination, NOTE: [own process group]): a
+# channel builds its groups (numguard.distributed.channel.open_side_group, NOTE: [own process group]): a
 # ProcessGroupGloo over a prefix of the default store, not torch.distributed.new_group (which
 # is collective over the default group and renumbers the user's later groups). It is separate
 # from the channel's shared group because a rank that failed waits here while another may be in
@@ -203,14 +203,11 @@ def _release_groups(group=None):
 
 
 def _finder_group(rank, world, store, default_name):
-    from .distributed import coordination
+    from .distributed import channel
 
-    if not _GROUPS_MADE[0]:
-        coordination._install_lifecycle()   # destroy_process_group and exit release our groups
-        coordination.on_release(_release_groups)
     _GROUPS_MADE[0] += 1
     name = f"memory/{default_name}/{_GROUPS_MADE[0]}"   # the same on every rank: store keys use it
-    return coordination._new_own_group(rank, world, store, name, range(world)), name
+    return channel.open_side_group(name, rank, world, store, released=_release_groups), name
 
 
 class _Exchange:

@@ -229,7 +229,7 @@ def rerun_lines(rerun) -> list[str]:
 def first_fault_lines(fault, own_module, own_section) -> list[str]:
     """The earliest NaN/Inf across ranks, when it was on another rank than this report's: this
     rank's own non-finite values came after it, carried by a collective (NOTE: [earliest fault]
-    in numguard.distributed.coordination)."""
+    in numguard.distributed.trip_exchange)."""
     if not isinstance(fault, dict) or fault.get("this_rank", True):
         return []
     name = fault.get("module")

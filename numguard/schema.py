@@ -86,7 +86,7 @@ LINE_KINDS = (KIND_TENSOR, KIND_NONE, KIND_NOT_A_TENSOR)  # indexed by the inspe
 # Fault kinds: what a rank's first non-finite value was, in the order they happen within a
 # training step. A collective later in the step (DDP's gradient all_reduce, FSDP's reduce-scatter)
 # carries a NaN/Inf from the rank that made it to every other rank, so across ranks the earliest
-# kind names the fault (numguard.distributed.coordination.earliest_fault). In the trip details
+# kind names the fault (numguard.distributed.trip_exchange.earliest_fault). In the trip details
 # record a kind is sent as its index + 1 (0: unknown, after every kind).
 
 FAULT_FORWARD = "forward"                        # a forward frame: activations, inputs, weights

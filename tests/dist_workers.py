@@ -33,21 +33,97 @@ def rank_environ(base: dict, rank: int, world: int, port: int, **variables) -> d
                 **variables)
 
 
+class RankProcesses:
+    """The one multi-rank launcher of the tests: one process per rank (``environs[r]``; None: rank
+    ``r`` is absent), each writing to files (never pipes: a rank that prints a lot cannot block
+    while the parent waits on another), all waited for under one deadline.
+
+    ``merged``: stdout and stderr in one log, in the order written (``out``; ``err`` is "")."""
+
+    def __init__(self, argv: list, environs: list, cwd: str = ROOT, merged: bool = False):
+        self.world = len(environs)
+        self.tmp = tempfile.TemporaryDirectory()
+        self.merged = merged
+        self.procs = [None] * self.world
+        self.files = [None] * self.world
+        for r, environ in enumerate(environs):
+            if environ is None:
+                continue
+            out = open(os.path.join(self.tmp.name, f"out{r}.txt"), "w+")
+            err = subprocess.STDOUT if merged else open(os.path.join(self.tmp.name, f"err{r}.txt"), "w+")
+            self.files[r] = (out, err)
+            self.procs[r] = subprocess.Popen(argv, env=environ, cwd=cwd, stdout=out, stderr=err, text=True)
+        self.start = time.monotonic()
+        self.ended_s = [None] * self.world
+        self.timed_out = False
+
+    def wait(self, timeout: float) -> list:
+        """[(exit status, stdout, stderr) or None for an absent rank] by rank. After `timeout`
+        seconds every rank still running is killed and ``timed_out`` is set (its status is then
+        the kill's)."""
+        deadline = self.start + timeout
+        try:
+            while any(p is not None and self.ended_s[r] is None for r, p in enumerate(self.procs)):
+                for r, p in enumerate(self.procs):
+                    if p is not None and self.ended_s[r] is None and p.poll() is not None:
+                        self.ended_s[r] = time.monotonic() - self.start
+                if time.monotonic() > deadline:
+                    self.timed_out = True
+                    break
+                time.sleep(0.02)
+        finally:
+            for p in self.procs:
+                if p is not None and p.poll() is None:
+                    p.kill()
+            for p in self.procs:
+                if p is not None:
+                    p.wait()
+        results = []
+        for r, p in enumerate(self.procs):
+            if p is None:
+                results.append(None)
+                continue
+            texts = []
+            for f in self.files[r]:
+                if f is subprocess.STDOUT:
+                    texts.append("")
+                    continue
+                f.seek(0)
+                texts.append(f.read())
+                f.close()
+            results.append((p.returncode, *texts))
+        self.tmp.cleanup()
+        return results
+
+
+def job_environs(world: int, env: dict | None = None, rank_env: dict | None = None, absent=(),
+                 port: int | None = None, base: dict | None = None) -> list:
+    """The environments of a one-node job of `world` ranks on a free port (rank_environ), with
+    this checkout first on PYTHONPATH; `env` for every rank, `rank_env[r]` for rank r; ranks in
+    `absent` get None (not started)."""
+    base = dict(os.environ if base is None else base)
+    base.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + base.get("PYTHONPATH", ""))
+    port = port or free_port()
+    environs = []
+    for r in range(world):
+        environ = None
+        if r not in absent:
+            environ = rank_environ(base, r, world, port)
+            environ.update(env or {})
+            environ.update((rank_env or {}).get(r, {}))
+        environs.append(environ)
+    return environs
+
+
 def run_rank_processes(argv: list, environs: list, cwd: str, timeout: float = 240) -> list:
-    """Start one process per rank (`environs[r]`), wait for all under `timeout`, kill any left;
-    returns [(exit status, stdout, stderr)] by rank."""
-    procs = [subprocess.Popen(argv, env=environ, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for environ in environs]
-    results = []
-    try:
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=timeout)
-            results.append((proc.returncode, stdout, stderr))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    """Run one process per rank (`environs[r]`) under `timeout` (RankProcesses); returns
+    [(exit status, stdout, stderr)] by rank, or an AssertionError with every rank's output when
+    the timeout passed."""
+    job = RankProcesses(argv, environs, cwd)
+    results = job.wait(timeout)
+    if job.timed_out:
+        raise AssertionError(f"ranks still running after {timeout} s were killed:\n" + "\n".join(
+            f"--- rank {r} ---\n{out[-3000:]}\n{err[-3000:]}" for r, (_, out, err) in enumerate(results)))
     return results
 
 
@@ -56,11 +132,8 @@ def run_worker_file(path: str, scenario: str, world: int, timeout: float = 150) 
     to $NG_OUT (scratch folder: $NG_TMP). The per-rank results, or an AssertionError with the
     output of a rank that failed."""
     with tempfile.TemporaryDirectory() as tmp:
-        port = free_port()
-        base = dict(os.environ, OMP_NUM_THREADS="1",
-                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        environs = [rank_environ(base, r, world, port, NG_OUT=os.path.join(tmp, f"r{r}.json"),
-                                 NG_TMP=tmp) for r in range(world)]
+        environs = job_environs(world, env={"NG_TMP": tmp},
+                                rank_env={r: {"NG_OUT": os.path.join(tmp, f"r{r}.json")} for r in range(world)})
         results = run_rank_processes([sys.executable, os.path.abspath(path), scenario], environs,
                                      cwd=ROOT, timeout=timeout)
         out = []
@@ -95,20 +168,10 @@ class Launch:
                  rank_env: dict | None):
         self.name, self.world, self.timeout = name, world, timeout
         self.tmp = tempfile.TemporaryDirectory()
-        port = free_port()
-        self.procs = []
-        for r in range(world):
-            e = dict(os.environ)
-            e.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
-                      "WORLD_SIZE": str(world), "LOCAL_RANK": str(r), "OMP_NUM_THREADS": "1",
-                      "PYTHONPATH": ROOT + os.pathsep + e.get("PYTHONPATH", "")})
-            e.update(env or {})
-            e.update((rank_env or {}).get(r, {}))
-            log = open(self._path(f"log{r}.txt"), "w")
-            self.procs.append((subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), name, self._path(f"r{r}.json")],
-                env=e, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log))
-        self.start = time.monotonic()
+        self.job = RankProcesses(
+            [sys.executable, os.path.abspath(__file__), name], [
+                dict(environ, NG_RESULT=self._path(f"r{r}.json"))
+                for r, environ in enumerate(job_environs(world, env, rank_env))], merged=True)
 
     def _path(self, name: str) -> str:
         return os.path.join(self.tmp.name, name)
@@ -117,41 +180,23 @@ class Launch:
         """Per-rank result dicts, each with ``log``, ``ended_s`` and ``returncode``. Raises
         ScenarioFailed on a timeout, and (unless ``allow_failure``) when a rank failed or left no
         result; with ``allow_failure`` a rank without a result gets ``{}``."""
-        deadline = self.start + self.timeout
-        timed_out = False
-        ended = [None] * self.world
-        while None in ended:
-            for r, (p, _) in enumerate(self.procs):
-                if ended[r] is None and p.poll() is not None:
-                    ended[r] = time.monotonic() - self.start
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-            time.sleep(0.02)
-        if timed_out:
-            for p, _ in self.procs:
-                if p.poll() is None:
-                    p.kill()
-            for p, _ in self.procs:
-                p.wait()
-        for _, log in self.procs:
-            log.close()
-        logs = [open(self._path(f"log{r}.txt")).read() for r in range(self.world)]
+        outputs = self.job.wait(self.timeout)
+        logs = [out for _, out, _ in outputs]
         results = []
         for r in range(self.world):
             path = self._path(f"r{r}.json")
             results.append(json.load(open(path)) if os.path.exists(path) else None)
         self.tmp.cleanup()
         failed = any(res is None or "error" in res for res in results)
-        if timed_out or (failed and not allow_failure):
+        if self.job.timed_out or (failed and not allow_failure):
             detail = "\n".join(f"--- rank {r} ---\n{logs[r][-4000:]}" for r in range(self.world))
-            why = f"timed out after {self.timeout} s" if timed_out else "a rank failed"
+            why = f"timed out after {self.timeout} s" if self.job.timed_out else "a rank failed"
             raise ScenarioFailed(f"scenario {self.name!r} on {self.world} ranks: {why}\n{detail}")
         results = [res if res is not None else {} for res in results]
         for r, res in enumerate(results):
             res["log"] = logs[r]
-            res["ended_s"] = ended[r]
-            res["returncode"] = self.procs[r][0].returncode
+            res["ended_s"] = self.job.ended_s[r]
+            res["returncode"] = outputs[r][0]
         return results
 
 
@@ -690,7 +735,7 @@ def scenario_exchange_details(rank, world):
     import torch.distributed as dist
 
     import numguard.distributed as ngd
-    from numguard.distributed import coordination as co
+    from numguard.distributed import trip_exchange as co
 
     res = {}
     # Ranks checking different batches (check_every 1 on rank 0, 2 on rank 1).
@@ -782,7 +827,7 @@ def scenario_exchange_details(rank, world):
 
 
 def main(argv):
-    name, out = argv[1], argv[2]
+    name, out = argv[1], os.environ["NG_RESULT"]
     result = {}
     try:
         rank, world = _init()

@@ -10,52 +10,33 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from dist_workers import free_port  # noqa: E402
+from dist_workers import RankProcesses, job_environs  # noqa: E402
 
 
 def run_ranks(name, world=2, timeout=150.0, env=None):
-    """Run ``case_<name>`` on `world` processes; returns their result dicts (each with its "log").
-    Raises AssertionError with every rank's output when one fails or the timeout passes."""
-    port = free_port()
+    """Run ``case_<name>`` on `world` processes (dist_workers.RankProcesses); returns their result
+    dicts (each with its "log"). Raises AssertionError with every rank's output when one fails or
+    the timeout passes."""
     with tempfile.TemporaryDirectory() as tmp:
-        procs = []
-        for rank in range(world):
-            e = dict(os.environ)
-            e.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                      "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-                      "NODE_RANK": "0", "OMP_NUM_THREADS": "1",
-                      "PYTHONPATH": ROOT + os.pathsep + e.get("PYTHONPATH", "")})
-            e.update(env or {})
-            log = open(os.path.join(tmp, f"log{rank}.txt"), "w")
-            procs.append((subprocess.Popen([sys.executable, __file__, name, os.path.join(tmp, f"r{rank}.json")],
-                                           env=e, stdout=log, stderr=subprocess.STDOUT, cwd=tmp), log))
-        deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        timed_out = any(p.poll() is None for p, _ in procs)
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-            log.close()
-        logs = [open(os.path.join(tmp, f"log{r}.txt")).read() for r in range(world)]
+        environs = [dict(e, NODE_RANK="0", NG_RESULT=os.path.join(tmp, f"r{r}.json"))
+                    for r, e in enumerate(job_environs(world, env))]
+        job = RankProcesses([sys.executable, __file__, name], environs, cwd=tmp, merged=True)
+        logs = [out for _, out, _ in job.wait(timeout)]
         results = []
         for r in range(world):
             path = os.path.join(tmp, f"r{r}.json")
             results.append(json.load(open(path)) if os.path.exists(path) else None)
-    if timed_out or any(res is None or "error" in res for res in results):
+    if job.timed_out or any(res is None or "error" in res for res in results):
         detail = "\n".join(f"--- rank {r} ---\n{logs[r][-5000:]}" for r in range(world))
-        raise AssertionError(f"case {name!r}: {'timed out' if timed_out else 'a rank failed'}\n{detail}")
+        raise AssertionError(f"case {name!r}: {'timed out' if job.timed_out else 'a rank failed'}\n{detail}")
     for res, log in zip(results, logs):
         res["log"] = log
     return results
@@ -175,12 +156,12 @@ def case_accelerate_containers(rank, world):
     from accelerate.utils import broadcast, gather, pad_across_processes, reduce
 
     import numguard.distributed as ngd
-    from numguard.distributed import coordination
+    from numguard.distributed import collectives
 
     accelerator = Accelerator(cpu=True)
     res = {"processes": accelerator.num_processes}
     exchanges = []
-    real_reduce, real_gather = coordination.timed_all_reduce, coordination.timed_all_gather
+    real_reduce, real_gather = collectives.timed_all_reduce, collectives.timed_all_gather
 
     def counted(real, kind):
         def call(*args, **kwargs):
@@ -188,8 +169,8 @@ def case_accelerate_containers(rank, world):
             return real(*args, **kwargs)
         return call
 
-    coordination.timed_all_reduce = counted(real_reduce, "all_reduce")
-    coordination.timed_all_gather = counted(real_gather, "all_gather")
+    collectives.timed_all_reduce = counted(real_reduce, "all_reduce")
+    collectives.timed_all_gather = counted(real_gather, "all_gather")
 
     def t(*shape, value=None):
         return torch.full(shape, float(rank if value is None else value))
@@ -222,7 +203,7 @@ def case_accelerate_containers(rank, world):
     res["healthy_pad"] = _outcome(lambda: {k: list(v.shape) for k, v in pad_across_processes(
         {"a": t(2 + rank, 3), "b": t(1)}).items()})
     res["healthy_broadcast"] = _outcome(lambda: broadcast({"a": t(2)}, from_process=1)["a"].tolist())
-    coordination.timed_all_reduce, coordination.timed_all_gather = real_reduce, real_gather
+    collectives.timed_all_reduce, collectives.timed_all_gather = real_reduce, real_gather
     return res
 
 
@@ -264,7 +245,7 @@ def case_fsdp2_local_shards(rank, world):
 
 
 def _main():
-    name, path = sys.argv[1], sys.argv[2]
+    name, path = sys.argv[1], os.environ["NG_RESULT"]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
         result = globals()[f"case_{name}"](rank, world)

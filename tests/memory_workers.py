@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,33 +23,15 @@ CPU_OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate {} 
 
 
 def launch(script, args, world, timeout, env=None):
-    """Run ``python script *args`` as ``world`` gloo ranks. Returns (each rank's output,
-    timed_out); after ``timeout`` seconds every rank still running is killed."""
+    """Run ``python script *args`` as ``world`` gloo ranks (dist_workers.RankProcesses). Returns
+    (each rank's output, timed_out); after ``timeout`` seconds every rank still running is
+    killed."""
     sys.path.insert(0, HERE)
-    from dist_workers import free_port
+    from dist_workers import RankProcesses, job_environs
 
-    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
-                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
-    logs = [tempfile.TemporaryFile("w+") for _ in range(world)]
-    procs = [subprocess.Popen([sys.executable, script, *args], stdout=logs[r],
-                              stderr=subprocess.STDOUT, cwd=ROOT,
-                              env=dict(base, RANK=str(r), LOCAL_RANK=str(r)))
-             for r in range(world)]
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    timed_out = any(p.poll() is None for p in procs)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-    out = []
-    for log in logs:
-        log.seek(0)
-        out.append(log.read())
-        log.close()
-    return out, timed_out
+    job = RankProcesses([sys.executable, script, *args], job_environs(world, env), merged=True)
+    outputs = job.wait(timeout)
+    return [out for _, out, _ in outputs], job.timed_out
 
 
 def run(name, world, timeout=180.0, env=None):

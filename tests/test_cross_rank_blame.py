@@ -24,7 +24,7 @@ def run(scenario: str, world: int = 2) -> list:
 # The rule, on details
 
 def test_earliest_fault_orders_batch_then_kind_then_frame_then_rank():
-    from numguard.distributed.coordination import TripDetail, earliest_fault
+    from numguard.distributed.trip_exchange import TripDetail, earliest_fault
     grads = TripDetail(0, "", 2, "parameter gradient", 0, ["proj.weight.grad"])
     forward = TripDetail(1, "proj", 2, "forward", 0, ["input[0]"])
     tapped = TripDetail(2, "head", 2, "gradient", 3, ["grad_input[0]"])

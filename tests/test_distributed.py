@@ -369,7 +369,7 @@ def test_coordinated_trip_through_watch():
 
     if not hasattr(numguard, "watch"):
         pytest.fail("numguard.watch is missing: the inspector must call "
-                    "numguard.distributed.coordination.exchange_trip at the end of each batch")
+                    "numguard.distributed.trip_exchange.exchange_trip at the end of each batch")
     r0, r1 = dist_workers.run_scenario("trip", 2, timeout=120)
     for r in (r0, r1):
         assert r["batches_done"] == [0, 1]
@@ -416,7 +416,7 @@ def test_polling_wait_used_for_cuda_collectives_times_out():
     up after the timeout with a DistributedTimeoutError; tested with a work that never ends."""
     from types import SimpleNamespace
 
-    from numguard.distributed import coordination
+    from numguard.distributed import collectives
 
     class NeverDone:
         def is_completed(self):
@@ -440,7 +440,7 @@ def test_polling_wait_used_for_cuda_collectives_times_out():
     st = SimpleNamespace(device=torch.device("cuda", 0), store=None, seq=7, global_ranks=[0, 1],
                          rank=0, name="0")
     with pytest.raises(ngd.DistributedTimeoutError, match="did not complete within 0.2 s"):
-        coordination._wait(NeverDone(), st, "`op`", "here.py:1", 0.2)
+        collectives._wait(NeverDone(), st, "`op`", "here.py:1", 0.2)
     later = DoneLater()
-    coordination._wait(later, st, "`op`", "here.py:1", 5.0)
+    collectives._wait(later, st, "`op`", "here.py:1", 5.0)
     assert later.waited  # stream-orders the result after completion

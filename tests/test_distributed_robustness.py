@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dist_workers  # noqa: E402
 
 import numguard.distributed as ngd  # noqa: E402
-from numguard.distributed import coordination, rendezvous, shapes  # noqa: E402
+from numguard.distributed import channel, collectives, rendezvous, shapes, trip_exchange  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,10 +169,10 @@ def test_structure_hashes_tell_key_order_from_other_differences_when_too_large()
 @pytest.mark.parametrize("seconds", [1e-9, 0.0005, 1.0, 60.0, 1.5e6, 2.2e6, 1e9, 1e10, 1e12,
                                      1e300, sys.float_info.max])
 def test_timeouts_passed_to_torch_are_capped(seconds):
-    td = coordination.torch_timeout(seconds)
-    assert 0.001 <= td.total_seconds() <= coordination.MAX_TORCH_TIMEOUT_S
+    td = channel.torch_timeout(seconds)
+    assert 0.001 <= td.total_seconds() <= channel.MAX_TORCH_TIMEOUT_S
     assert td.total_seconds() * 1000 < 2 ** 31  # fits the narrowest timeout field on the way
-    if 0.001 <= seconds <= coordination.MAX_TORCH_TIMEOUT_S:
+    if 0.001 <= seconds <= channel.MAX_TORCH_TIMEOUT_S:
         assert td.total_seconds() == pytest.approx(seconds)
 
 
@@ -184,7 +184,7 @@ def test_call_site_skips_numguard_and_torch_frames(tmp_path):
     """A call site seen through frames of torch (module __call__, dynamo's wrappers) and of
     numguard names the user's line, whatever the order and number of those frames."""
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
-    numguard_dir = os.path.dirname(os.path.dirname(os.path.abspath(coordination.__file__)))
+    numguard_dir = os.path.dirname(os.path.dirname(os.path.abspath(channel.__file__)))
     internal = {
         "torch_nn": os.path.join(torch_dir, "nn", "modules", "module.py"),
         "dynamo": os.path.join(torch_dir, "_dynamo", "eval_frame.py"),
@@ -192,7 +192,7 @@ def test_call_site_skips_numguard_and_torch_frames(tmp_path):
     }
     for chain in itertools.chain.from_iterable(
             itertools.permutations(internal, n) for n in range(0, 4)):
-        scope = {"call_site": coordination.call_site}
+        scope = {"call_site": channel.call_site}
         inner = "call_site"
         for i, name in enumerate(chain):
             fn = f"layer{i}"
@@ -204,15 +204,15 @@ def test_call_site_skips_numguard_and_torch_frames(tmp_path):
 
 
 def test_call_site_does_not_skip_a_file_beside_the_numguard_package(tmp_path):
-    numguard_pkg = os.path.dirname(os.path.dirname(os.path.abspath(coordination.__file__)))
+    numguard_pkg = os.path.dirname(os.path.dirname(os.path.abspath(channel.__file__)))
     lookalike = numguard_pkg + "_examples.py"  # shares the prefix, not the directory
-    scope = {"call_site": coordination.call_site}
+    scope = {"call_site": channel.call_site}
     _run_as(lookalike, "def step():\n    return call_site()\n", scope)
     assert scope["step"]() == f"{lookalike}:2"
 
 
 class _FakeGroup:
-    """What coordination.exclusive needs of a group state."""
+    """What channel.exclusive needs of a group state."""
 
     def __init__(self):
         self.lock = threading.RLock()
@@ -221,7 +221,7 @@ class _FakeGroup:
         self.name = "0"
 
     def warn_once(self, kind, message):
-        coordination._GroupState.warn_once(self, kind, message)
+        channel._GroupState.warn_once(self, kind, message)
 
 
 def test_threads_sharing_a_group_run_one_at_a_time_and_are_warned_about_once():
@@ -231,13 +231,13 @@ def test_threads_sharing_a_group_run_one_at_a_time_and_are_warned_about_once():
     entered = threading.Event()
 
     def op(name, hold_s):
-        with coordination.exclusive(st, f"check {name}"):
+        with channel.exclusive(st, f"check {name}"):
             if inside:
                 overlaps.append((name, list(inside)))
             inside.append(name)
             entered.set()
             time.sleep(hold_s)
-            with coordination.exclusive(st, "nested"):  # the same thread may re-enter
+            with channel.exclusive(st, "nested"):  # the same thread may re-enter
                 pass
             inside.remove(name)
 
@@ -355,14 +355,14 @@ def test_rendezvous_alone_stops_waiting():
 
 def test_exchange_grace_is_validated():
     with pytest.raises(ValueError, match="grace"):
-        coordination._exchange_grace(-1)
+        trip_exchange._exchange_grace(-1)
     with pytest.raises(ValueError, match="grace"):
-        coordination._exchange_grace("soon")
-    assert coordination._exchange_grace(0.25) == 0.25
+        trip_exchange._exchange_grace("soon")
+    assert trip_exchange._exchange_grace(0.25) == 0.25
 
 
 def test_trip_details_keep_the_tuple_shape():
-    d = coordination.TripDetail(1, "mlp", 4)
+    d = trip_exchange.TripDetail(1, "mlp", 4)
     assert d == (1, "mlp") and list(d) == [1, "mlp"] and d.batch == 4
     rank, module = d
     assert (rank, module) == (1, "mlp")
@@ -382,7 +382,7 @@ def test_polling_wait_keeps_working_with_a_huge_timeout():
 
     st = SimpleNamespace(device=torch.device("cpu"), store=None, seq=1, global_ranks=[0, 1],
                          rank=0, name="0")
-    coordination._wait(DoneLater(), st, "`op`", "here.py:1", 1e10)  # CPU path: Work.wait(cap)
+    collectives._wait(DoneLater(), st, "`op`", "here.py:1", 1e10)  # CPU path: Work.wait(cap)
 
 
 # ---------------------------------------------------------------------------------------------

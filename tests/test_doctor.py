@@ -21,42 +21,25 @@ from numguard.doctor import report as doctor_report
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from dist_workers import free_port  # noqa: E402
+from dist_workers import RankProcesses, job_environs  # noqa: E402
 
 RANK_SCRIPT = os.path.join(HERE, "doctor_rank.py")
 FAST = ["--sizes", "1K", "16K", "--iters", "2"]
 
 
 def launch(world, args, faults=None, absent=(), timeout=150, port=None, env=None):
-    """Run the doctor on ``world`` ranks but ``absent``; returns {rank: (rc, out, err)}.
+    """Run the doctor on ``world`` ranks but ``absent``; returns {rank: (rc, out, err)} (a rank
+    still running after ``timeout`` is killed: its rc is negative).
 
     ``env``: {rank: {variable: value}} added to that rank's environment.
     """
-    port = port or free_port()
-    procs = {}
+    base = {k: v for k, v in os.environ.items() if k != "NUMGUARD"}
+    rank_env = {r: dict((env or {}).get(r, {})) for r in range(world)}
     for r in range(world):
-        if r in absent:
-            continue
-        environ = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
-                   WORLD_SIZE=str(world), LOCAL_RANK=str(r), OMP_NUM_THREADS="1",
-                   NUMGUARD_DOCTOR_TEST_FAULT=(faults or {}).get(r, ""),
-                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        environ.pop("NUMGUARD", None)
-        environ.update((env or {}).get(r, {}))
-        procs[r] = subprocess.Popen([sys.executable, RANK_SCRIPT] + list(args), env=environ,
-                                    cwd=ROOT,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    results = {}
-    try:
-        for r, p in procs.items():
-            out, err = p.communicate(timeout=timeout)
-            results[r] = (p.returncode, out, err)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return results
+        rank_env[r].setdefault("NUMGUARD_DOCTOR_TEST_FAULT", (faults or {}).get(r, ""))
+    environs = job_environs(world, rank_env=rank_env, absent=absent, port=port, base=base)
+    outputs = RankProcesses([sys.executable, RANK_SCRIPT] + list(args), environs).wait(timeout)
+    return {r: out for r, out in enumerate(outputs) if out is not None}
 
 
 def _json(tmp_path, name="doctor.json"):

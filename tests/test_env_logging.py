@@ -3,8 +3,6 @@ and marked, for characters of every width at every cut offset; end to end on two
 import json
 import logging
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -61,7 +59,7 @@ class _OneRank:
         import threading
 
         self.buf = bytearray(nglog._WORDS * 8)
-        self.lock = threading.RLock()  # what coordination.exclusive() takes
+        self.lock = threading.RLock()  # what channel.exclusive() takes
         self.holder = None
 
     def gather_buffers(self, words):
@@ -70,12 +68,13 @@ class _OneRank:
 
 def test_in_order_log_emits_the_cut_message_on_rank_0(monkeypatch):
     state = _OneRank()
-    co = nglog._co
-    monkeypatch.setattr(co, "is_initialized", lambda: True)
-    monkeypatch.setattr(co, "world_size", lambda: 2)
-    monkeypatch.setattr(co, "rank", lambda: 0)
-    monkeypatch.setattr(co, "group_state", lambda group=None: state)
-    monkeypatch.setattr(co, "timed_all_gather", lambda st, words, what, site, timeout=None: bytes(st.buf))
+    channel = nglog._channel
+    monkeypatch.setattr(channel, "is_initialized", lambda: True)
+    monkeypatch.setattr(channel, "world_size", lambda: 2)
+    monkeypatch.setattr(channel, "rank", lambda: 0)
+    monkeypatch.setattr(channel, "group_state", lambda group=None: state)
+    monkeypatch.setattr(nglog._collectives, "timed_all_gather",
+                        lambda st, words, what, site, timeout=None: bytes(st.buf))
     records = []
 
     class Keep(logging.Handler):
@@ -114,25 +113,15 @@ print(json.dumps(records))
 
 
 def test_two_ranks_cut_multibyte_messages_cleanly():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from dist_workers import job_environs, run_rank_processes
+
     base = {k: v for k, v in os.environ.items() if not k.startswith("NUMGUARD")}
-    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", OMP_NUM_THREADS="1",
-                PYTHONPATH=os.pathsep.join([REPO] + [p for p in [base.get("PYTHONPATH")] if p]))
-    procs = [subprocess.Popen([sys.executable, "-c", _WORKER], env=dict(base, RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
+    base["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in [base.get("PYTHONPATH")] if p])
+    results = run_rank_processes([sys.executable, "-c", _WORKER], job_environs(2, base=base), REPO, timeout=180)
     outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=180)
-            assert p.returncode == 0, err[-3000:]
-            outs.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    for code, out, err in results:
+        assert code == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
     assert outs[1] == []                                  # only rank 0 emits
     assert len(outs[0]) == 2
     for rank, text in enumerate(outs[0]):

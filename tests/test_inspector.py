@@ -618,15 +618,15 @@ def test_ring_cap_drops_old_frames_but_still_detects(backend, monkeypatch):
     insp.close(check=False)
 
 
-def test_a_missing_coordination_module_is_a_warning_naming_it_not_silence(tmp_path, monkeypatch):
+def test_a_missing_trip_exchange_module_is_a_warning_naming_it_not_silence(tmp_path, monkeypatch):
     """An installation without numguard.distributed must say that trips are not shared."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         import numguard.distributed
-        monkeypatch.setitem(sys.modules, "numguard.distributed.coordination", None)
-        monkeypatch.delattr(numguard.distributed, "coordination", raising=False)
+        monkeypatch.setitem(sys.modules, "numguard.distributed.trip_exchange", None)
+        monkeypatch.delattr(numguard.distributed, "trip_exchange", raising=False)
         model = nn.Sequential(nn.Linear(4, 4))
         with pytest.warns(InspectorWarning, match="numguard.distributed cannot be imported"):
             with numguard.watch(model, report_to=None):

@@ -91,7 +91,7 @@ def test_wheel_ships_every_package_the_hook_and_the_extension(wheel):
 
 
 def test_installed_wheel_imports_outside_the_source_tree(venv, tmp_path):
-    code = ("import numguard, numguard.distributed, numguard.distributed.coordination, os; "
+    code = ("import numguard, numguard.distributed, numguard.distributed.channel, os; "
             "print(os.path.dirname(numguard.__file__)); print(numguard.backend())")
     out = _run([venv, "-c", code], cwd=tmp_path, env=_clean_env())
     assert out.returncode == 0, out.stderr

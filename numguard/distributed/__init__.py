@@ -15,7 +15,7 @@ numguard check; a rank that does not arrive in time is named in a
 
 Each numguard check is one small fixed-size tensor operation on numguard's own gloo process group
 over the same ranks (created by the first numguard collective of a group, which every rank of
-the group reaches; see NOTE: [own process group] in coordination.py), so a check never pairs with
+the group reaches; see NOTE: [own process group] in channel.py), so a check never pairs with
 a user collective another rank is in. Every numguard check must be called by every rank of the
 group in the same order, like any collective. The inspector's trip exchange
 (:func:`exchange_trip`) is the exception: the ranks first meet in the store, and a rank that does
@@ -25,9 +25,9 @@ the group is destroyed (``destroy_process_group``) and at interpreter exit.
 """
 from __future__ import annotations
 
-from . import coordination
+from . import channel, collectives, trip_exchange
 from ._env import dist_check_enabled
-from .coordination import exchange_trip, gather_trip_details, last_exchange, rank, world_size
+from .channel import rank, world_size
 from .errors import (CrossRankWarning, DistributedOperationException, DistributedTimeoutError,
                      DistributedWarning, ReplicaDivergenceError)
 from .guard import CollectiveGuard, guard_collectives, unguard_collectives
@@ -36,6 +36,7 @@ from .numerics import last_numbers, last_outliers
 from .replicas import ReplicaSentinel, watch_replicas
 from .shapes import check_shapes
 from .triggers import check_trigger, set_trigger
+from .trip_exchange import exchange_trip, gather_trip_details, last_exchange
 
 __all__ = [
     "CollectiveGuard",
@@ -46,8 +47,9 @@ __all__ = [
     "DistributedTimeoutError",
     "DistributedWarning",
     "check_shapes",
+    "channel",
     "check_trigger",
-    "coordination",
+    "collectives",
     "exchange_trip",
     "gather_trip_details",
     "get_logger",
@@ -57,6 +59,7 @@ __all__ = [
     "last_outliers",
     "rank",
     "set_trigger",
+    "trip_exchange",
     "unguard_collectives",
     "watch_replicas",
     "world_size",

@@ -1,6 +1,6 @@
 """The NUMGUARD_* variables and arguments the distributed guard reads, parsed by numguard.env.
 
-Kept as a module because guard, coordination, logging and numguard.distributed import these
+Kept as a module because guard, the channel, logging and numguard.distributed import these
 names; the parsing, bounds and error messages live in :mod:`numguard.env` only.
 """
 from __future__ import annotations

@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging as _logging
 import struct
 
-from . import coordination as _co
+from . import channel as _channel
+from . import collectives as _collectives
 from ._env import env_log_level, parse_log_level
 
 MESSAGE_BYTES = 4096
@@ -45,14 +46,14 @@ class RankLoggerAdapter(_logging.LoggerAdapter):
     """A ``logging.LoggerAdapter`` whose calls take ``main_process_only`` and ``in_order``."""
 
     def process(self, msg, kwargs):
-        return f"[RANK {_co.rank()}] {msg}", kwargs
+        return f"[RANK {_channel.rank()}] {msg}", kwargs
 
     def log(self, level, msg, *args, main_process_only: bool = True, in_order: bool = False,
             **kwargs):
-        if in_order and _co.is_initialized() and _co.world_size() > 1:
+        if in_order and _channel.is_initialized() and _channel.world_size() > 1:
             self._log_in_order(level, msg, args, kwargs)
             return
-        if main_process_only and _co.rank() != 0:
+        if main_process_only and _channel.rank() != 0:
             return
         if self.isEnabledFor(level):
             msg, kwargs = self.process(msg, kwargs)
@@ -60,7 +61,7 @@ class RankLoggerAdapter(_logging.LoggerAdapter):
             self.logger.log(level, msg, *args, **kwargs)
 
     def _log_in_order(self, level, msg, args, kwargs) -> None:
-        st = _co.group_state(None)
+        st = _channel.group_state(None)
         enabled = self.isEnabledFor(level)
         payload = b""
         if enabled:
@@ -70,12 +71,12 @@ class RankLoggerAdapter(_logging.LoggerAdapter):
             payload = fit_message(text)
         # The shared buffer is filled and gathered under the group's lock: two threads logging
         # at once must not mix their records.
-        with _co.exclusive(st, "an in-order log"):
+        with _channel.exclusive(st, "an in-order log"):
             hin_b = st.gather_buffers(_WORDS)[0]
             struct.pack_into("<qq", hin_b, 0, _MAGIC, (len(payload) << 1) | int(enabled))
             hin_b[16: 16 + len(payload)] = payload
-            out = bytes(_co.timed_all_gather(st, _WORDS, "numguard in-order log (all_gather)",
-                                             _co.call_site()))
+            out = bytes(_collectives.timed_all_gather(st, _WORDS, "numguard in-order log (all_gather)",
+                                             _channel.call_site()))
         if st.rank != 0:
             return
         exc_info = kwargs.get("exc_info")

@@ -1,6 +1,6 @@
 """Outlier ranks: which rank's activations, gradients or step time stand out from the others'.
 
-Every checked batch the trip exchange (coordination.exchange_trip) already all_gathers a small
+Every checked batch the trip exchange (trip_exchange.exchange_trip) already all_gathers a small
 fixed record per rank on numguard's own gloo group. That record also carries a few numbers each
 rank has without any extra host sync (:data:`FIELDS`):
 
@@ -26,7 +26,8 @@ import math
 import socket
 import threading
 
-from . import coordination as _co
+from . import channel as _channel
+from . import trip_exchange as _trip_exchange
 from .logging import get_logger
 
 FIELDS = ("nonfinite", "activation_headroom", "gradient_headroom", "gradient_min_nonzero",
@@ -177,9 +178,9 @@ def observe(st, rows, batches) -> None:
 
 
 def _tracker(group):
-    if not _co.is_initialized():
+    if not _channel.is_initialized():
         return None
-    return _trackers.get(_co.group_state(group).name)
+    return _trackers.get(_channel.group_state(group).name)
 
 
 def last_outliers(group=None) -> list:
@@ -214,7 +215,7 @@ def _released(group) -> None:
 
 
 def _install() -> None:
-    _co.on_release(_released)
+    _channel.on_release(_released)
 
 
 _install()
@@ -223,4 +224,4 @@ __all__ = ["FIELDS", "PERSIST", "RULES", "WINDOW", "describe", "last_numbers", "
            "observe"]
 
 
-_co.on_exchange(observe)  # NOTE: [cross-rank numbers] in coordination.py
+_trip_exchange.on_exchange(observe)  # NOTE: [cross-rank numbers] in trip_exchange.py

@@ -37,7 +37,8 @@ import torch
 
 from .. import _torch_ops, ops
 from ..errors import InspectorWarning
-from . import coordination as _co
+from . import channel as _channel
+from . import collectives as _collectives
 from .errors import CrossRankWarning, DistributedOperationException, ReplicaDivergenceError
 from .logging import get_logger
 
@@ -175,14 +176,14 @@ class ReplicaSentinel:
     def check(self, kind: str, tensors, when: str = "now"):
         """Compare ``tensors`` (one per parameter, in this sentinel's order; None allowed) across
         the ranks of the group; returns the finding (a dict) or None. Every rank must call it."""
-        if not _co.is_initialized():
+        if not _channel.is_initialized():
             return None
-        st = _co.group_state(self.group)
+        st = _channel.group_state(self.group)
         fps = self.fingerprints(tensors)
         self.checks += 1
         if st.world == 1:
             return None
-        site = _co.call_site()
+        site = _channel.call_site()
         buckets = min(len(fps), BUCKETS)
         digest = torch.zeros(buckets, dtype=torch.int64).index_add_(
             0, torch.arange(len(fps)) % buckets, fps)
@@ -191,7 +192,7 @@ class ReplicaSentinel:
         host[buckets:] = ~digest
         if dev is not host:
             dev.copy_(host)
-        _co.timed_all_reduce(st, dev, torch.distributed.ReduceOp.MAX,
+        _collectives.timed_all_reduce(st, dev, torch.distributed.ReduceOp.MAX,
                              f"numguard replica check of {kind} (all_reduce)", site)
         if dev is not host:
             host.copy_(dev)
@@ -206,7 +207,7 @@ class ReplicaSentinel:
         words = len(fps)
         hin_b, hin, *_ = st.gather_buffers(words)
         hin.copy_(fps)
-        out = _co.timed_all_gather(st, words, f"numguard replica fingerprints of {kind} (all_gather)", site)
+        out = _collectives.timed_all_gather(st, words, f"numguard replica fingerprints of {kind} (all_gather)", site)
         # A copy of the gathered bytes: the group's buffer is reused by the next collective, and
         # torch.frombuffer of immutable bytes warns that the buffer is not writable.
         table = torch.frombuffer(out, dtype=torch.int64).clone().view(st.world, words)
@@ -252,7 +253,7 @@ class ReplicaSentinel:
         mine = _torch_ops._storage_bits(x)
         ref_local = st.global_ranks.index(m["reference_rank"])
         shared = mine.clone() if st.rank == ref_local else torch.zeros_like(mine)
-        _co.timed_all_reduce(st, shared, torch.distributed.ReduceOp.SUM,
+        _collectives.timed_all_reduce(st, shared, torch.distributed.ReduceOp.SUM,
                              f"numguard replica reference of {m['name']} (all_reduce)", site)
         floating = x.is_floating_point()
         diff = mine != shared
@@ -265,7 +266,7 @@ class ReplicaSentinel:
         words = 2
         hin_b, hin, *_ = st.gather_buffers(words)
         hin[0], hin[1] = n_diff, ulps
-        out = torch.frombuffer(_co.timed_all_gather(
+        out = torch.frombuffer(_collectives.timed_all_gather(
             st, words, f"numguard replica difference of {m['name']} (all_gather)", site),
             dtype=torch.int64).clone().view(st.world, 2)
         m["differing_elements"] = int(out[:, 0].max())

@@ -52,7 +52,8 @@ from collections.abc import Mapping
 import torch
 import torch.distributed
 
-from . import coordination as _co
+from . import channel as _channel
+from . import collectives as _collectives
 from .errors import DistributedOperationException
 
 RECORD_WORDS = 256
@@ -608,7 +609,7 @@ def check_shapes(obj, op: str | None = None, group=None, timeout: float | None =
     Structure means container types (list, tuple, dict), lengths, dict keys and their order, and
     leaf types (tensor, None, or the scalar's type). Runs one all_reduce of two int64 (the hash
     of this rank's record, see NOTE: [check record layout]) on numguard's own gloo group over the
-    same ranks (NOTE: [own process group] in coordination.py); only when the hashes differ, one
+    same ranks (NOTE: [own process group] in channel.py); only when the hashes differ, one
     all_gather of the fixed-size records and one of the ranks' dict key names (NOTE: [key
     names]). On a mismatch every rank raises :class:`DistributedOperationException` listing the
     same differences, each rank's dict keys by name; a rank that does not arrive in time makes the
@@ -616,11 +617,11 @@ def check_shapes(obj, op: str | None = None, group=None, timeout: float | None =
     the group (warned once). Does nothing without an initialized process group, with one rank,
     or on a rank outside ``group``.
     """
-    if not _co.is_initialized():
+    if not _channel.is_initialized():
         return
     if group is not None and _c10d_not_in_group(group):
         return
-    st = _co.group_state(group)
+    st = _channel.group_state(group)
     if st.world == 1:
         return
     op_name = op if op is not None else "numguard.distributed.check_shapes"
@@ -630,8 +631,8 @@ def check_shapes(obj, op: str | None = None, group=None, timeout: float | None =
             f"{st.name!r} are not checked: numguard stopped using the group after: {st.broken}"))
         return
     if site is None:
-        site = _co.call_site()
-    with _co.exclusive(st, f"the check of `{op_name}`"):
+        site = _channel.call_site()
+    with _channel.exclusive(st, f"the check of `{op_name}`"):
         _check(st, obj, op_name, site, timeout, details, key_order)
 
 
@@ -646,14 +647,14 @@ def _check(st, obj, op_name: str, site: str, timeout, details: str, key_order: b
         struct.pack_into("<2q", rb, 0, h, -h)
         if rd is not rh:
             rd.copy_(rh)
-        _co.timed_all_reduce(st, rd, _MAX, f"`{op_name}`", site, timeout)
+        _collectives.timed_all_reduce(st, rd, _MAX, f"`{op_name}`", site, timeout)
         if rd is not rh:
             rh.copy_(rd)
         hi, neg_lo = struct.unpack_from("<2q", rb, 0)
         if hi == -neg_lo:
             return
     encode(obj, op_name, site, st.gather_buffers(RECORD_WORDS)[0], details, key_order)
-    out = _co.timed_all_gather(st, RECORD_WORDS, f"`{op_name}`", site, timeout)
+    out = _collectives.timed_all_gather(st, RECORD_WORDS, f"`{op_name}`", site, timeout)
     stride = RECORD_WORDS * 8
     magics, fulls = set(), set()
     for r in range(st.world):
@@ -675,7 +676,7 @@ def _gather_key_names(st, obj, op_name: str, site: str, timeout) -> dict | None:
     message then names only this rank's keys)."""
     try:
         pack_key_names(obj, st.gather_buffers(KEY_WORDS)[0])
-        out = _co.timed_all_gather(st, KEY_WORDS, f"the key names of `{op_name}`", site, timeout)
+        out = _collectives.timed_all_gather(st, KEY_WORDS, f"the key names of `{op_name}`", site, timeout)
         return unpack_key_names(out, st.world)
     except DistributedOperationException:
         return None

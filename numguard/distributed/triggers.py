@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import coordination as _co
+from . import channel as _channel
+from . import collectives as _collectives
 
 
 class _TriggerState:
@@ -36,7 +37,7 @@ def _forget(group) -> None:
         _STATES.pop(group, None)
 
 
-_co.on_release(_forget)
+_channel.on_release(_forget)
 
 
 def _state(group) -> _TriggerState:
@@ -56,18 +57,18 @@ def check_trigger(blocking: bool = True, group=None, timeout: float | None = Non
     """True on every rank if any rank called :func:`set_trigger` before this check (blocking) or
     before the previous non-blocking check (``blocking=False``). See the module docstring."""
     ts = _state(group)
-    if not _co.is_initialized():
+    if not _channel.is_initialized():
         seen, ts.flag = bool(ts.flag), 0
         return seen
-    st = _co.group_state(group)
+    st = _channel.group_state(group)
     if st.broken is not None:
         st.warn_once("broken trigger", (
             f"numguard.distributed: check_trigger on process group {st.name!r} sees this "
             f"rank's trigger only: numguard stopped using the group after: {st.broken}"))
         seen, ts.flag, ts.pending = bool(ts.flag), 0, None
         return seen
-    site = _co.call_site()
-    with _co.exclusive(st, "check_trigger"):
+    site = _channel.call_site()
+    with _channel.exclusive(st, "check_trigger"):
         return _check(st, ts, blocking, site, timeout)
 
 
@@ -77,13 +78,13 @@ def _check(st, ts, blocking: bool, site: str, timeout) -> bool:
             _finish(st, ts)  # drain a non-blocking check so the two forms stay paired
         t = torch.full((1,), ts.flag, dtype=torch.int64, device=st.device)
         ts.flag = 0
-        _co.timed_all_reduce(st, t, dist.ReduceOp.MAX, "numguard check_trigger (all_reduce)",
+        _collectives.timed_all_reduce(st, t, dist.ReduceOp.MAX, "numguard check_trigger (all_reduce)",
                              site, timeout)
         return bool(t.item())
     seen = _finish(st, ts) if ts.pending is not None else False
     t = torch.full((1,), ts.flag, dtype=torch.int64, device=st.device)
     ts.flag = 0
-    work, seq, timeout_s = _co.timed_all_reduce(
+    work, seq, timeout_s = _collectives.timed_all_reduce(
         st, t, dist.ReduceOp.MAX, "numguard check_trigger(blocking=False) (all_reduce)", site,
         timeout, wait=False)
     ts.pending = (work, t, seq, timeout_s, site)
@@ -93,6 +94,6 @@ def _check(st, ts, blocking: bool, site: str, timeout) -> bool:
 def _finish(st, ts) -> bool:
     work, t, seq, timeout_s, site = ts.pending
     ts.pending = None
-    _co.wait_work(st, work, seq, "numguard check_trigger(blocking=False) (all_reduce)", site,
+    _collectives.wait_work(st, work, seq, "numguard check_trigger(blocking=False) (all_reduce)", site,
                   timeout_s)
     return bool(t.item())

@@ -1,5 +1,5 @@
 """Who is blamed for a trip: the kind of fault a frame holds and its place in the batch (what ranks
-compare to agree on the earliest fault, NOTE: [earliest fault] in numguard.distributed.coordination),
+compare to agree on the earliest fault, NOTE: [earliest fault] in numguard.distributed.trip_exchange),
 the operation that made a module's NaN/Inf (ops=True), and the words that name another rank's fault."""
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def fault_kind(frame):
 
 def fault_ordinal(frames, offender, kind):
     """Frames of `kind` in the offender's batch before it (NOTE: [earliest fault] in
-    numguard.distributed.coordination: ranks running the same step compare it)."""
+    numguard.distributed.trip_exchange: ranks running the same step compare it)."""
     off = frames[offender]
     count = 0
     for j in range(offender - 1, -1, -1):
@@ -123,7 +123,7 @@ def _frame_start_of(frames, position, by_start):
 # -- the fault of another rank ---------------------------------------------------------------------
 def earliest_elsewhere(ranks, me, earliest):
     """(the fault every rank names, whether it is another rank's) from the gathered `ranks`
-    details (`earliest`: coordination.earliest_fault). A rank whose own fault ties with the
+    details (`earliest`: trip_exchange.earliest_fault). A rank whose own fault ties with the
     earliest (same batch, kind and frame) made it itself, as every rank does when each computes
     the NaN: it names its own."""
     first = earliest(ranks) if ranks else None

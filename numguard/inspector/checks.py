@@ -50,18 +50,18 @@ OUTSIDE_ROOT = "returned outside the root's forward"
 
 def _own_wait() -> float:
     """Seconds waited in numguard's own collectives (0 before numguard.distributed is used)."""
-    module = sys.modules.get("numguard.distributed.coordination")
+    module = sys.modules.get("numguard.distributed.collectives")
     return module.waited_s() if module is not None else 0.0
 
 
-def coordination(warned: set):
-    """numguard.distributed.coordination, or None (with a warning naming it, once) when this
+def trip_exchange(warned: set):
+    """numguard.distributed.trip_exchange, or None (with a warning naming it, once) when this
     installation cannot import it: the other ranks then learn nothing of this rank's trips."""
     try:
-        from ..distributed import coordination as module
+        from ..distributed import trip_exchange as module
     except ImportError as exc:
-        if "coordination" not in warned:
-            warned.add("coordination")
+        if "trip exchange" not in warned:
+            warned.add("trip exchange")
             warnings.warn(f"numguard: torch.distributed is initialized but numguard.distributed cannot "
                           f"be imported ({type(exc).__name__}: {exc}); trips are NOT shared across "
                           "ranks, so other ranks may train on or hang when this one stops. Reinstall "
@@ -121,7 +121,7 @@ class FlagReader:
         state = self.ring.state_buf
         forward_end = self.where == "batch end" or self.where.endswith(OUTSIDE_ROOT)
         if _process.is_distributed() and (torch.is_grad_enabled() or not forward_end):
-            module = coordination(self.warned)
+            module = trip_exchange(self.warned)
             if module is not None:
                 # The batch number lets ranks that pair different batches (different check_every,
                 # an extra batch on one rank) be told so, naming both; the rank-local batches
@@ -151,7 +151,7 @@ class FlagReader:
     # - the forward is timed from its first child's start: a wrapper's collectives before it
     #   (DDP's buffer broadcast, BatchNorm running stats) are left out;
     # - numguard's own collectives (the replica check at the forward's start, shape checks) are
-    #   left out (NOTE: [own wait time] in numguard.distributed.coordination);
+    #   left out (NOTE: [own wait time] in numguard.distributed.collectives);
     # - an interval in which this rank ran rank-local work (a forward under no_grad, a check
     #   only this rank made: rank 0's evaluation) gives no step time (NaN: not compared).
     # Collectives inside the model's layers (SyncBatchNorm, tensor parallelism, FSDP's

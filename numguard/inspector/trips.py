@@ -85,9 +85,9 @@ class Reporter:
             kind = _blame.fault_kind(view.frames[offender])
             ordinal = _blame.fault_ordinal(view.frames, offender, kind)
         ranks = []
-        coordination = checks.coordination(self.warned) if status.others else None
-        if coordination is not None:
-            ranks = coordination.gather_trip_details(module if status.tripped else None,
+        exchange = checks.trip_exchange(self.warned) if status.others else None
+        if exchange is not None:
+            ranks = exchange.gather_trip_details(module if status.tripped else None,
                                                      batch if batch is not None else status.found_at,
                                                      tripped=status.tripped, kind=kind, ordinal=ordinal,
                                                      labels=labels)
@@ -95,7 +95,7 @@ class Reporter:
         me = rank  # the details' ranks are the default group's, as numguard.process.rank()
         # The fault every rank names: the earliest across ranks (NOTE: [earliest fault]).
         first, elsewhere = _blame.earliest_elsewhere(
-            ranks, me, coordination.earliest_fault if coordination is not None else None)
+            ranks, me, exchange.earliest_fault if exchange is not None else None)
         step = self._framework_step()
         if report is not None:
             report["ranks"] = [list(r) for r in ranks]
