@@ -4,9 +4,10 @@
 and padding masks, ``nn.MultiheadAttention`` and SDPA with float and bool masks) and Transformers
 models built small from their configs (GPT-2, BERT, T5, Llama, Mistral, ViT, Whisper), crossed with
 the modes (``watch``, ``backward=True``, ``ops=True``, ``replay=True``, compiled, the Transformers
-Trainer callback, 2-rank DDP). Two promises each: a healthy run is silent (no trip, no report, no
-numguard warning), and an overflow planted in one named submodule is reported there (on the rank
-that made it). This file is also the DDP rank worker: ``python tests/test_model_zoo.py <arch>``.
+Trainer callback, the Lightning callback, the Accelerate integration, 2-rank DDP). Two promises
+each: a healthy run is silent (no trip, no report, no numguard warning), and an overflow planted in
+one named submodule is reported there (on the rank that made it). This file is also the DDP rank
+worker: ``python tests/test_model_zoo.py <arch>``.
 """
 from __future__ import annotations
 
@@ -305,6 +306,154 @@ def test_transformers_trainer_callback_defaults(arch, tmp_path):
         transformers.Trainer(model=model, args=args, train_dataset=rows, callbacks=[stopping]).train()
     assert info.value.module == planted_name
     stopping.inspector.close(check=False)  # the run raised before on_train_end, which would close it
+
+
+# ---------------------------------------------------------------------------------------------
+# The Lightning callback and the Accelerate integration as their users switch them on, with their
+# defaults (backward watching on): healthy steps are silent, a planted overflow stops training
+# naming the planted module before the optimizer writes a weight. Each step runs the architecture
+# on its own inputs; the data loader only paces the loop.
+
+INTEGRATION_ARCHS = ("encoder_causal", "gpt2", "llama")
+HEALTHY_STEPS, ARMED_AT = 3, 1
+# What numguard prints or logs: its report's lines and its messages.
+NUMGUARD_OUTPUT = ("numguard", "Detected inf/nan", "abs min  abs max")
+
+
+def _paced_loader():
+    return torch.utils.data.DataLoader(torch.arange(8), batch_size=2)
+
+
+def numguard_noise(caught, capsys, caplog):
+    """Everything numguard said during a run: its warnings, the lines it printed on stdout or
+    stderr, its log records at WARNING or above."""
+    import logging
+
+    captured = capsys.readouterr()
+    lines = [line for line in (captured.out + captured.err).splitlines()
+             if any(marker in line for marker in NUMGUARD_OUTPUT)]
+    lines += [str(w.message) for w in caught if issubclass(w.category, NUMGUARD_WARNINGS)]
+    lines += [r.getMessage() for r in caplog.records if r.name.startswith("numguard") and r.levelno >= logging.WARNING]
+    return lines
+
+
+def _lightning_module(pl, model, run, planted):
+    class ZooModule(pl.LightningModule):
+        """A zoo architecture as a LightningModule holds it: under ``self.model``."""
+
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.arm_at = None
+
+        def forward(self):
+            return run(self.model)
+
+        def training_step(self, batch, batch_idx):
+            planted.armed = self.arm_at is not None and batch_idx >= self.arm_at
+            loss = loss_of(self())
+            self.log("train_loss", loss)
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", loss_of(self()))
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    return ZooModule()
+
+
+@pytest.mark.parametrize("arch, precision", [(arch, "32-true") for arch in INTEGRATION_ARCHS]
+                         + [("gpt2", "bf16-mixed"), ("llama", "bf16-mixed")])
+def test_lightning_callback_defaults(arch, precision, tmp_path, capsys, caplog):
+    """pl.Trainer with NumguardCallback() and AdamW: healthy steps are silent; a planted overflow
+    stops training at its step, named as the LightningModule names its submodule (``model.`` +
+    the architecture's name: the key of the module's state_dict and Lightning's checkpoints).
+    Validation steps (the sanity check's included) are numguard batches too: the trip's batch
+    number counts them, and its message names Lightning's global_step."""
+    pl = pytest.importorskip("pytorch_lightning")
+    from numguard.integrations.lightning import NumguardCallback
+    model, run, planted_name = ARCHS[arch]()
+    lit = _lightning_module(pl, model, run, Planted(model, planted_name))
+
+    def trainer(callback, steps):
+        return pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, precision=precision,
+                          callbacks=[callback], default_root_dir=str(tmp_path), logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          log_every_n_steps=1, limit_val_batches=1, val_check_interval=2)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        healthy = trainer(NumguardCallback(), HEALTHY_STEPS)
+        healthy.fit(lit, _paced_loader(), _paced_loader())
+    assert healthy.global_step == HEALTHY_STEPS
+    assert healthy.callback_metrics["numguard/nonfinite"] == 0.0
+    assert numguard_noise(caught, capsys, caplog) == []
+
+    lit.arm_at = ARMED_AT
+    stopped = trainer(NumguardCallback(), HEALTHY_STEPS)
+    with pytest.raises(NonFiniteError) as info:
+        stopped.fit(lit, _paced_loader(), _paced_loader())
+    err = info.value
+    expected = "model." + planted_name
+    assert expected in dict(lit.named_modules())
+    assert err.module == expected, (err.module, str(err)[:300])
+    assert err.batch_number == ARMED_AT + 1 and stopped.global_step == ARMED_AT  # + the sanity check's
+    assert f"(Lightning global_step={ARMED_AT}) in {expected} " in str(err)
+    assert all(torch.isfinite(p).all() for p in lit.parameters())  # raised before AdamW wrote them
+    assert not numguard.inspector.is_watched(lit) and "training_step" not in lit.__dict__
+
+
+def _accelerate_run(model, run, planted, mixed_precision, arm_at=None):
+    """Accelerate's loop over `model` with numguard's integration switched on after prepare();
+    returns the inspector (closed)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from numguard.integrations.accelerate import numerics_summary, watch
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # each run picks its own precision
+    accelerator = Accelerator(cpu=True, mixed_precision=mixed_precision)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prepared, optimizer, data = accelerator.prepare(model, optimizer, _paced_loader())
+    inspector = watch(accelerator, prepared)
+    try:
+        for step, _ in enumerate(data):
+            if step == HEALTHY_STEPS:
+                break
+            planted.armed = arm_at is not None and step >= arm_at
+            accelerator.backward(loss_of(run(prepared)))
+            optimizer.step()
+            optimizer.zero_grad()
+            accelerator.log(numerics_summary(inspector), step=step)  # as the README shows
+    finally:
+        inspector.close(check=False)
+        AcceleratorState._reset_state(reset_partial_state=True)
+    return inspector
+
+
+@pytest.mark.parametrize("arch, mixed_precision", [(arch, "no") for arch in INTEGRATION_ARCHS]
+                         + [("gpt2", "bf16")])
+def test_accelerate_watch_defaults(arch, mixed_precision, capsys, caplog):
+    """Accelerator(cpu=True), prepare(model, optimizer, data), accelerator.backward, AdamW, with
+    numguard.integrations.accelerate.watch(accelerator, model): healthy steps are silent; a planted
+    overflow stops the loop at its step, named as in the unwrapped model."""
+    pytest.importorskip("accelerate")
+    model, run, planted_name = ARCHS[arch]()
+    planted = Planted(model, planted_name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inspector = _accelerate_run(model, run, planted, mixed_precision)
+    assert inspector.trips == 0 and inspector.batches_finished == HEALTHY_STEPS
+    assert numguard_noise(caught, capsys, caplog) == []
+
+    with pytest.raises(NonFiniteError) as info:
+        _accelerate_run(model, run, planted, mixed_precision, arm_at=ARMED_AT)
+    err = info.value
+    assert err.module == planted_name, (err.module, str(err)[:300])
+    assert err.batch_number == ARMED_AT and planted_name in err.report
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # raised before AdamW wrote them
 
 
 # ---------------------------------------------------------------------------------------------
