@@ -133,7 +133,7 @@ class ModuleHistory:
                 lines = []
                 t = 0
                 for label, kind in zip(f.labels, f.kinds):
-                    if kind & 3 == TENSOR:
+                    if kind & schema.LINE_KIND_MASK == TENSOR:
                         lines.append((t, label.startswith("output")))
                         t += 1
             for t, is_output in lines:

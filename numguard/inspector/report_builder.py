@@ -8,10 +8,9 @@ from .. import process as _process
 from .. import report as _report
 from . import blame as _blame
 from . import operations as _operations
-from .frames import EXTRA, TENSOR
+from .frames import EXTRA
 from .ring import record_at
 
-_KIND_NAMES = schema.LINE_KINDS  # indexed by frames.TENSOR, NONE, NOT_A_TENSOR
 OPERATION_FRAMES = 6  # operation frames shown: the first bad operation and those just before it
 
 
@@ -62,11 +61,11 @@ class ReportBuilder:
                     shapes.append(None)
         t = 0
         for label, kind in zip(f.labels, f.kinds):
-            base = kind & 3
+            base = schema.LineKind.of(kind)
             labels.append(label)
-            kinds.append(_KIND_NAMES[base])
+            kinds.append(base.report_name)
             extra.append(bool(kind & EXTRA) or not f.hf)
-            if base == TENSOR:
+            if base is schema.LineKind.TENSOR:
                 p = f.positions[t]
                 records.append(record_at(host_ring, p, valid_end))
                 dtypes.append(str(f.dtypes[t]))

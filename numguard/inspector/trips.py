@@ -212,7 +212,7 @@ class Reporter:
                 continue
             t = 0
             for label, kind in zip(f.labels, f.kinds):
-                if kind & 3 != TENSOR:
+                if kind & schema.LINE_KIND_MASK != TENSOR:
                     continue
                 dtype = f.dtypes[t]
                 p = f.positions[t]
