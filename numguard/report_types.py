@@ -316,6 +316,12 @@ class FrameworkStep(_JsonObject):
     value: Any = _field(ANY)
 
 
+# The per-batch series of a module's history: the columns of the inspector's history table, in its
+# order (numguard.inspector.history indexes them), each a ModuleHistory field.
+HISTORY_SERIES = ("out_abs_max", "in_abs_max", "min_nonzero", "grad_abs_max", "grad_min_nonzero",
+                  "grad_subnormal_share")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModuleHistory(_JsonObject):
     """One module's values over the history's batches (None where it has none)."""
@@ -331,8 +337,6 @@ class ModuleHistory(_JsonObject):
     grad_subnormal_share: list = _field(SERIES)
 
 
-# The per-batch series of a module's history, in the inspector's column order.
-HISTORY_SERIES = tuple(f.name for f in dataclasses.fields(ModuleHistory) if f.metadata["spec"] is SERIES)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
