@@ -15,8 +15,8 @@ import torch
 
 from ..schema import LINE_EXTRA, LINE_KIND_MASK, LineKind
 
-# Line codes (numguard.schema.LineKind, flagged with LINE_EXTRA), as plain ints: the recorders keep
-# one per line and compiled graphs guard on them.
+# Line codes: a numguard.schema.LineKind, or-ed with LINE_EXTRA for a line Transformers does not
+# print. Plain ints, so the codes the recorders keep (and graph.py's slot keys) stay what they were.
 TENSOR, NONE, NOT_A_TENSOR = LineKind.TENSOR.value, LineKind.NONE.value, LineKind.NOT_A_TENSOR.value
 EXTRA = LINE_EXTRA
 
