@@ -23,7 +23,7 @@ Schema (``format == "numguard-report"``, ``version == 1``); JSON numbers may be 
       "labels": [str, ...],     # the offending labels of that frame
       "section": "forward" | "backward" | ...,
       "max_frames_to_save": int, "headroom": float, "backend": "native" | "torch",
-      "operation": {"op": str, "module": str, "class": str, "site": str,
+      "operation": {"op": str, "module": str, "class": str, "site": str, "backward_of": str | null,
                     "input_abs_max": float | null, "output_abs_max": float | null},
                                 # optional: the operation that made the first NaN/Inf (watch(ops=True)),
                                 # the module that ran it (may be inside the report's module)
@@ -38,12 +38,14 @@ Schema (``format == "numguard-report"``, ``version == 1``); JSON numbers may be 
                  "op_module": str | null, "op_class": str | null, "reason": str},
                                 # optional: watch(replay=True)'s re-run of the first bad module
       "rerun": {"verdict": "transient" | "reproducible" | "device" | null, "batch": int, "reason": str,
-                "recovered": bool, "detail": str, "identical": bool | null, "module": str, "class": str},
+                "recovered": bool, "identical": bool | null, "watched_abs_max": float | null,
+                "module": str, "class": str, "detail": str},
                                 # optional: watch(rerun=True)'s rerun of the batch (numguard.inspector.rerun)
       "outliers": [{"rank": int, "host": str, "metric": "activations" | "gradients" | "step_time",
                     "value": float, "median_of_others": float, "ratio": float, ...}, ...],
                                 # optional: the ranks numguard.distributed.last_outliers() named
                                 # when the file was written (distributed jobs)
+      "framework_step": {"name": str, "value": ...},  # optional: a training framework's step counter
       "frames": [               # oldest first; the last one is the offending frame
         {
           "name": str, "class": str, "section": str, "batch": int,
@@ -57,7 +59,8 @@ Schema (``format == "numguard-report"``, ``version == 1``); JSON numbers may be 
           "dtypes": ["torch.float16" | null, ...],
           "shapes": [[int, ...] | null, ...],
           "records": [[abs_min, abs_max, min_nonzero, nan, pos_inf, neg_inf, zero, subnormal] | null, ...],
-          "op": str, "site": str       # optional: an operation frame's aten op and call site (file:line)
+          "op": str, "site": str,      # optional: an operation frame's aten op and call site (file:line)
+          "backward_of": str           # optional: a backward operation's autograd node
         }, ...
       ]
     }
@@ -65,19 +68,18 @@ Schema (``format == "numguard-report"``, ``version == 1``); JSON numbers may be 
 ``load`` checks a file against this schema before anything renders it: a wrong type, a missing
 field, or per-line lists of different lengths raise :class:`DumpError` naming the place, e.g.
 ``frames[3].records[2]: expected 8 numbers or null, got 'abc'``. Fields marked optional below may
-be missing (older writers); unknown fields are ignored.
+be missing (older writers); unknown fields are ignored. The fields and their checks are declared
+once, by the types of numguard.report_types (``Report.from_json`` reads a file's dictionary as them).
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 
 from . import report as _report
-
-FORMAT = "numguard-report"
-VERSION = 1
+from . import report_types as _types
+from .report_types import FORMAT, VERSION
 
 __all__ = ["DumpError", "write", "load", "validate", "render_file", "FORMAT", "VERSION"]
 
@@ -127,167 +129,26 @@ def _with_outliers(report: dict) -> dict:
     return dict(report, outliers=outliers)
 
 
-# ------------------------------------------------------------------------------------------------
-# Schema checks. Each check is (what is expected, in words; test of one value).
-
-
-def _show(value, limit=60):
-    """How an error shows the bad value: its repr (shortened), and a list's length."""
-    text = repr(value)
-    if len(text) > limit:
-        text = text[:limit - 3] + "..."
-    if isinstance(value, list):
-        text += f" (a list of {len(value)})"
-    return text
-
-
-def _is_int(v):
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _or_null(check):
-    return lambda v: v is None or check(v)
-
-
-def _count(v):  # a record's counts: whole, finite, >= 0 (JSON may write them as 3.0)
-    return _is_number(v) and math.isfinite(v) and v >= 0 and float(v).is_integer()
-
-
-def _is_record(v):
-    return v is None or (isinstance(v, list) and len(v) == len(_RECORD_FIELDS)
-                         and all(_is_number(x) for x in v[:3]) and all(_count(x) for x in v[3:]))
-
-
-_RECORD_FIELDS = ("abs_min", "abs_max", "min_nonzero", "nan", "pos_inf", "neg_inf", "zero", "subnormal")
-_STR = ("a string", lambda v: isinstance(v, str))
-_STR_OR_NULL = ("a string or null", _or_null(lambda v: isinstance(v, str)))
-_BOOL = ("true or false", lambda v: isinstance(v, bool))
-_BATCH = ("a whole number >= 0", lambda v: _is_int(v) and v >= 0)
-_BATCH_OR_NULL = ("a whole number >= 0 or null", _or_null(_BATCH[1]))
-_POSITIVE = ("a whole number >= 1", lambda v: _is_int(v) and v >= 1)
-_RANK_PAIR = ("a [rank, module or null] pair",
-              lambda v: isinstance(v, list) and len(v) == 2 and _is_int(v[0]) and _STR_OR_NULL[1](v[1]))
-
-# key: (required, (expected, test)); lists whose entries are checked one by one are ("list", ...).
-_TOP = {
-    "batch_number": (True, _BATCH),
-    "frames": (True, None),  # checked below, frame by frame
-    "batch": (False, _BATCH_OR_NULL),
-    "found_at_batch": (False, _BATCH_OR_NULL),
-    "check": (False, _STR),
-    "check_every": (False, _POSITIVE),
-    "where": (False, _STR_OR_NULL),
-    "rank": (False, ("a whole number >= 0 or null", _or_null(lambda v: _is_int(v) and v >= 0))),
-    "ranks": (False, ("list", _RANK_PAIR)),
-    "outliers": (False, ("list", ("an outlier (an object with a whole-number rank and a metric)",
-                                  lambda v: isinstance(v, dict) and _is_int(v.get("rank"))
-                                  and isinstance(v.get("metric"), str)))),
-    "first_fault": (False, ("an object with a whole-number rank",
-                            lambda v: isinstance(v, dict) and _is_int(v.get("rank")))),
-    "module": (False, _STR_OR_NULL),
-    "class": (False, _STR),
-    "labels": (False, ("list", _STR)),
-    "section": (False, _STR),
-    "max_frames_to_save": (False, _POSITIVE),
-    "headroom": (False, ("a number", _is_number)),
-    "backend": (False, _STR),
-    "history": (False, ("an object", lambda v: isinstance(v, dict))),
-    "replay": (False, ("an object", lambda v: isinstance(v, dict))),
-    "rerun": (False, ("an object", lambda v: isinstance(v, dict))),
-}
-_FRAME = {
-    "name": (True, _STR),
-    "class": (True, _STR),
-    "section": (False, _STR),
-    "batch": (False, _BATCH_OR_NULL),
-    "batch_start": (False, _BATCH_OR_NULL),
-    "hf": (False, _BOOL),
-    "in_report": (False, _BOOL),
-    "offender": (False, _BOOL),
-}
-# One entry per line of the frame: these lists must all have the same length.
-_LINES = {
-    "labels": (True, _STR),
-    "kinds": (True, ("'tensor', 'none' or 'not a tensor'",
-                     lambda v: v in (_report.KIND_TENSOR, _report.KIND_NONE, _report.KIND_NOT_A_TENSOR))),
-    "records": (True, ("8 numbers or null (abs_min, abs_max, min_nonzero, then 5 counts >= 0)",
-                       _is_record)),
-    "extra": (False, _BOOL),
-    "dtypes": (False, _STR_OR_NULL),
-    "shapes": (False, ("a list of whole numbers >= 0, or null",
-                       _or_null(lambda v: isinstance(v, list) and all(_is_int(d) and d >= 0 for d in v)))),
-}
-
-
-def _check_fields(path, prefix, obj, fields):
-    for key, (required, spec) in fields.items():
-        if key not in obj:
-            if required:
-                raise DumpError(path, f"{prefix}{key}", "missing; the file is damaged or not a numguard dump")
-            continue
-        if spec is None:
-            continue
-        value = obj[key]
-        if spec[0] == "list":
-            expected, test = spec[1]
-            if not isinstance(value, list):
-                raise DumpError(path, f"{prefix}{key}", f"expected a list, got {_show(value)}")
-            for i, item in enumerate(value):
-                if not test(item):
-                    raise DumpError(path, f"{prefix}{key}[{i}]", f"expected {expected}, got {_show(item)}")
-        elif not spec[1](value):
-            raise DumpError(path, f"{prefix}{key}", f"expected {spec[0]}, got {_show(value)}")
-
-
-def _check_frame(path, index, frame):
-    prefix = f"frames[{index}]."
-    if not isinstance(frame, dict):
-        raise DumpError(path, f"frames[{index}]", f"expected a frame (an object), got {_show(frame)}")
-    _check_fields(path, prefix, frame, _FRAME)
-    lengths = {}
-    for key, (required, (expected, test)) in _LINES.items():
-        if key not in frame:
-            if required:
-                raise DumpError(path, prefix + key, "missing; the file is damaged or not a numguard dump")
-            continue
-        values = frame[key]
-        if not isinstance(values, list):
-            raise DumpError(path, prefix + key, f"expected a list with one entry per line, got {_show(values)}")
-        for i, value in enumerate(values):
-            if not test(value):
-                raise DumpError(path, f"{prefix}{key}[{i}]", f"expected {expected}, got {_show(value)}")
-        lengths[key] = len(values)
-    if len(set(lengths.values())) > 1:
-        counts = ", ".join(f"{key} has {n}" for key, n in lengths.items())
-        raise DumpError(path, f"frames[{index}]", f"the per-line lists differ in length ({counts}); "
-                                                  "each line needs one entry in each")
-
-
 def validate(data, path="<dump>") -> dict:
     """Check a loaded dump against the schema; returns it with the optional per-line lists filled
     in. Raises DumpError naming the first problem and where it is."""
     if not isinstance(data, dict):
-        raise DumpError(path, "", f"expected a JSON object, got {type(data).__name__} {_show(data)}; "
+        raise DumpError(path, "", f"expected a JSON object, got {type(data).__name__} {_types.show(data)}; "
                                   f"this is not a numguard report: {_HINT}")
     if data.get("format") != FORMAT:
-        raise DumpError(path, "format", f"expected {FORMAT!r}, got {_show(data.get('format'))}: this is "
+        raise DumpError(path, "format", f"expected {FORMAT!r}, got {_types.show(data.get('format'))}: this is "
                                         f"not a numguard report; {_HINT}")
     version = data.get("version")
-    if not _is_int(version) or version < 1:
-        raise DumpError(path, "version", f"expected a whole number >= 1, got {_show(version)}")
+    if not _types.POSITIVE.test(version):
+        raise DumpError(path, "version", f"expected {_types.POSITIVE.expected}, got {_types.show(version)}")
     if version > VERSION:
         raise DumpError(path, "version", f"report version {version} is newer than this numguard reads "
                                          f"(version {VERSION}): upgrade numguard to render it")
-    _check_fields(path, "", data, _TOP)
-    frames = data["frames"]
-    if not isinstance(frames, list) or not frames:
-        raise DumpError(path, "frames", f"expected a non-empty list of frames, got {_show(frames)}")
-    for index, frame in enumerate(frames):
-        _check_frame(path, index, frame)
+    try:
+        _types.Report.from_json(data)
+    except _types.ReportFieldError as exc:
+        raise DumpError(path, exc.where, exc.problem) from None
+    for frame in data["frames"]:
         lines = len(frame["labels"])
         frame.setdefault("dtypes", [None] * lines)
         frame.setdefault("shapes", [None] * lines)

@@ -9,6 +9,7 @@ torch.
 """
 from __future__ import annotations
 
+import enum
 from typing import NamedTuple, Optional, Union
 
 # ---------------------------------------------------------------------------------------------
@@ -80,7 +81,35 @@ LOW_PRECISION_DTYPES = tuple(name for name, info in DTYPES.items() if info.low_p
 KIND_TENSOR = "tensor"
 KIND_NONE = "none"
 KIND_NOT_A_TENSOR = "not a tensor"
-LINE_KINDS = (KIND_TENSOR, KIND_NONE, KIND_NOT_A_TENSOR)  # indexed by the inspector's line codes 0, 1, 2
+LINE_KINDS = (KIND_TENSOR, KIND_NONE, KIND_NOT_A_TENSOR)  # indexed by LineKind
+
+
+class LineKind(enum.IntEnum):
+    """What a line's value was: the low bits (LINE_KIND_MASK) of the per-line code the inspector
+    keeps for each frame (numguard.inspector.frames writes the codes, the native and the Python
+    recorders keep them, csrc/history.cpp reads them)."""
+    TENSOR = 0
+    NONE = 1
+    NOT_A_TENSOR = 2
+
+    @classmethod
+    def of(cls, code: int) -> "LineKind":
+        """The kind of a line code (its flags dropped)."""
+        return cls(code & LINE_KIND_MASK)
+
+    @classmethod
+    def named(cls, name: str) -> "LineKind":
+        """The kind a report writes as `name` ("tensor", "none", "not a tensor")."""
+        return cls(LINE_KINDS.index(name))
+
+    @property
+    def report_name(self) -> str:
+        return LINE_KINDS[self]
+
+
+LINE_KIND_MASK = 0b011
+# Set in a line code for a line Transformers does not print (a keyword input, a container's contents).
+LINE_EXTRA = 0b100
 
 # ---------------------------------------------------------------------------------------------
 # Fault kinds: what a rank's first non-finite value was, in the order they happen within a

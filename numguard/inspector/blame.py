@@ -50,7 +50,7 @@ def categories(f, host_ring, valid_end, prefix=None):
     out = {}
     t = 0
     for label, kind in zip(f.labels, f.kinds):
-        if kind & 3 != TENSOR:
+        if kind & schema.LINE_KIND_MASK != TENSOR:
             continue
         p = f.positions[t]
         t += 1
@@ -97,7 +97,7 @@ def blame_operation(frames, floor, lineage, offender, host_ring, valid_end):
         if not ins:
             return pick  # its inputs were finite: it made the NaN/Inf
         made = lineage.get(f.start, ())
-        labels = [lab for lab, kind in zip(f.labels, f.kinds) if kind & 3 == TENSOR]
+        labels = [lab for lab, kind in zip(f.labels, f.kinds) if kind & schema.LINE_KIND_MASK == TENSOR]
         nxt = None
         for i, p in enumerate(f.positions):
             if p in ins and i < len(made) and labels[i].startswith("input") and made[i] >= 0:

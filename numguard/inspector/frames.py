@@ -13,9 +13,12 @@ from typing import NamedTuple
 
 import torch
 
-# Line kinds, indexes into numguard.schema.LINE_KINDS; bit 4 marks a line Transformers does not print.
-TENSOR, NONE, NOT_A_TENSOR = 0, 1, 2
-EXTRA = 4
+from ..schema import LINE_EXTRA, LINE_KIND_MASK, LineKind
+
+# Line codes: a numguard.schema.LineKind, or-ed with LINE_EXTRA for a line Transformers does not
+# print. Plain ints, so the codes the recorders keep (and graph.py's slot keys) stay what they were.
+TENSOR, NONE, NOT_A_TENSOR = LineKind.TENSOR.value, LineKind.NONE.value, LineKind.NOT_A_TENSOR.value
+EXTRA = LINE_EXTRA
 
 _INPUT_LABELS = tuple(f"input[{i}]" for i in range(64))
 _OUTPUT_LABELS = tuple(f"output[{i}]" for i in range(64))
@@ -191,7 +194,7 @@ def tensor_label(labels, kinds, n):
         return None
     seen = 0
     for label, kind in zip(labels, kinds):
-        if kind & ~EXTRA == TENSOR:
+        if kind & LINE_KIND_MASK == TENSOR:
             if seen == n:
                 return label
             seen += 1

@@ -23,11 +23,12 @@ from array import array
 import torch
 
 from .. import ops, schema
+from ..report_types import HISTORY_SERIES
 from .frames import ONE_IN_ONE_OUT_LABELS, TENSOR
 from .ring import host_to_device, outside_inference_mode
 
 WINDOW = 64
-FIELDS = ("out_abs_max", "in_abs_max", "min_nonzero", "grad_abs_max", "grad_min_nonzero", "grad_subnormal_share")
+FIELDS = HISTORY_SERIES  # the columns of the table, named as a report's history has them
 OUT_MAX, IN_MAX, MIN_NZ, GRAD_MAX, GRAD_MIN_NZ, GRAD_SUB = range(len(FIELDS))
 _NEGATED = (MIN_NZ, GRAD_MIN_NZ)
 # What an empty cell holds: maxima start at -inf ("no value"), negated minima too.
@@ -133,7 +134,7 @@ class ModuleHistory:
                 lines = []
                 t = 0
                 for label, kind in zip(f.labels, f.kinds):
-                    if kind & 3 == TENSOR:
+                    if kind & schema.LINE_KIND_MASK == TENSOR:
                         lines.append((t, label.startswith("output")))
                         t += 1
             for t, is_output in lines:

@@ -3,36 +3,37 @@ ring's host copy: the frames before the offender (Transformers' last N frames, w
 operation blamed with ops=True, and the run's settings."""
 from __future__ import annotations
 
-from .. import ops, schema
+from .. import ops
 from .. import process as _process
 from .. import report as _report
+from ..report_types import ABSENT, Operation, Report, ReportFrame, ReportLine
+from ..schema import LineKind
 from . import blame as _blame
 from . import operations as _operations
-from .frames import EXTRA, TENSOR
+from .frames import EXTRA
 from .ring import record_at
 
-_KIND_NAMES = schema.LINE_KINDS  # indexed by frames.TENSOR, NONE, NOT_A_TENSOR
 OPERATION_FRAMES = 6  # operation frames shown: the first bad operation and those just before it
 
 
-def _operation_summary(frame):
+def _operation_summary(frame: ReportFrame) -> Operation:
     """The first bad operation of an operations frame: its name, call site, and the largest
     input and the output as ``x.abs().max()`` would show them (None when not recorded)."""
     inputs, outputs = [], []
-    for label, record in zip(frame["labels"], frame["records"]):
-        if record is None:
+    for line in frame.lines:
+        if line.record is None:
             continue
-        shown = _report.shown_abs_min_max(record)[1]
-        (inputs if label.startswith("input") else outputs).append(shown)
+        shown = _report.shown_abs_min_max(line.record)[1]
+        (inputs if line.label.startswith("input") else outputs).append(shown)
     bad_out = [v for v in outputs if v != v or v == float("inf")]
-    return {"op": frame["op"], "module": frame["name"], "class": frame["class"], "site": frame["site"],
-            "backward_of": frame.get("backward_of"),
-            "input_abs_max": max(inputs, key=lambda v: (v != v, v)) if inputs else None,
-            "output_abs_max": bad_out[0] if bad_out else (max(outputs) if outputs else None)}
+    return Operation(op=frame.op, module=frame.name, class_name=frame.class_name, site=frame.site,
+                     backward_of=None if frame.backward_of is ABSENT else frame.backward_of,
+                     input_abs_max=max(inputs, key=lambda v: (v != v, v)) if inputs else None,
+                     output_abs_max=bad_out[0] if bad_out else (max(outputs) if outputs else None))
 
 
 class ReportBuilder:
-    """Builds report dictionaries from a FrameRing, its WeightTable and the watch() options; owns
+    """Builds reports from a FrameRing, its WeightTable and the watch() options; owns
     nothing on the device. `lineage`: operation mode's (operations.OperationRecorder.lineage)."""
 
     def __init__(self, ring, weights, options, reader):
@@ -42,54 +43,47 @@ class ReportBuilder:
         self.reader = reader
         self.lineage = None
 
-    def frame_record(self, f, host_ring, tables, valid_end):
-        """One frame as a report dict entry (weights first, like Transformers)."""
+    def frame_record(self, f, host_ring, tables, valid_end) -> dict:
+        """One frame as the report's dictionary has it (for trace printing)."""
+        return self.frame_entry(f, host_ring, tables, valid_end).to_json()
+
+    def frame_entry(self, f, host_ring, tables, valid_end, in_report=ABSENT, offender=ABSENT) -> ReportFrame:
+        """One frame of a report (weights first, like Transformers)."""
         owner = f.owner
-        labels, kinds, dtypes, shapes, records, extra = [], [], [], [], [], []
+        lines = []
         if f.with_weights and owner.widx:
             table = tables.get(f.batch)
             for name, w in zip(owner.wnames, owner.widx):
-                labels.append(name)
-                kinds.append(schema.KIND_TENSOR)
-                extra.append(False)
                 if table is not None and w < len(table[0]):
-                    records.append([float(v) for v in table[0][w]])
-                    dtypes.append(table[1]["dtypes"][w])
-                    shapes.append(table[1]["shapes"][w])
+                    lines.append(ReportLine(label=name, kind=LineKind.TENSOR, record=[float(v) for v in table[0][w]],
+                                            dtype=table[1]["dtypes"][w], shape=table[1]["shapes"][w]))
                 else:
-                    records.append(None)
-                    dtypes.append(None)
-                    shapes.append(None)
+                    lines.append(ReportLine(label=name, kind=LineKind.TENSOR, record=None))
         t = 0
-        for label, kind in zip(f.labels, f.kinds):
-            base = kind & 3
-            labels.append(label)
-            kinds.append(_KIND_NAMES[base])
-            extra.append(bool(kind & EXTRA) or not f.hf)
-            if base == TENSOR:
-                p = f.positions[t]
-                records.append(record_at(host_ring, p, valid_end))
-                dtypes.append(str(f.dtypes[t]))
-                shapes.append(list(f.shapes[t]))
+        for label, code in zip(f.labels, f.kinds):
+            kind = LineKind.of(code)
+            extra = bool(code & EXTRA) or not f.hf
+            if kind is LineKind.TENSOR:
+                lines.append(ReportLine(label=label, kind=kind, extra=extra, dtype=str(f.dtypes[t]),
+                                        shape=list(f.shapes[t]), record=record_at(host_ring, f.positions[t], valid_end)))
                 t += 1
             else:
-                records.append(None)
-                dtypes.append(None)
-                shapes.append(None)
-        out = {"name": owner.name, "class": owner.cls, "section": f.section, "batch": f.batch,
-               "batch_start": f.batch_start, "hf": bool(f.hf), "labels": labels, "kinds": kinds,
-               "extra": extra, "dtypes": dtypes, "shapes": shapes, "records": records}
+                lines.append(ReportLine(label=label, kind=kind, extra=extra, record=None))
         op = getattr(owner, "op", None)
+        op_fields = {}
         if op is not None:  # an operation frame (ops=True)
-            out["op"] = op
-            out["site"] = owner.site
+            op_fields = {"op": op, "site": owner.site}
             if owner.backward_of is not None:
-                out["backward_of"] = owner.backward_of
-        return out
+                op_fields["backward_of"] = owner.backward_of
+        return ReportFrame(name=owner.name, class_name=owner.cls, section=f.section, batch=f.batch,
+                           batch_start=f.batch_start, hf=bool(f.hf), lines=tuple(lines), in_report=in_report,
+                           offender=offender, **op_fields)
 
     def build_report(self, offender, host_ring, found_at=None, view=None) -> dict:
-        """The report dictionary (numguard.dump's schema) for the frame at index `offender` of
-        `view`'s frames (the ring's, or graph.ReportView's with compiled graphs' frames)."""
+        """The report dictionary (numguard.dump's schema: report_types.Report.to_json) for the
+        frame at index `offender` of `view`'s frames (the ring's, or graph.ReportView's with
+        compiled graphs' frames). A dictionary: features add their fields to it, and users
+        index it (Inspector.last_report)."""
         view = view or self.ring
         frames = view.frames
         off = frames[offender]
@@ -119,31 +113,25 @@ class ReportBuilder:
                 j -= 1
         lo = min(chosen) if chosen else offender
         tables = self.weights.host_tables({frames[j].batch for j in range(lo, offender + 1)})
-        out_frames = []
-        for j in range(lo, offender + 1):
-            fr = self.frame_record(frames[j], host_ring, tables, valid_end)
-            fr["in_report"] = j in chosen
-            fr["offender"] = j == offender
-            out_frames.append(fr)
+        out_frames = [self.frame_entry(frames[j], host_ring, tables, valid_end, in_report=j in chosen,
+                                       offender=j == offender) for j in range(lo, offender + 1)]
         offender_frame = out_frames[-1]
-        bad = [lab for lab, rec in zip(offender_frame["labels"], offender_frame["records"])
-               if _report.is_nonfinite(rec)]
+        bad = [line.label for line in offender_frame.lines if _report.is_nonfinite(line.record)]
         batch = off.batch
         hf_batch = batch + (1 if (off.owner.is_root and section == "forward" and off.hf) else 0)
-        report = {
-            "format": "numguard-report", "version": 1,
-            "batch_number": hf_batch, "batch": batch, "found_at_batch": found_at,
-            "check": self.options.check, "check_every": self.options.check_every, "where": self.reader.where,
-            "rank": _process.rank(default=None), "ranks": [],
-            "module": off.owner.name, "class": off.owner.cls, "labels": bad, "section": _blame.pass_of(section),
-            "max_frames_to_save": max_frames, "headroom": self.options.headroom,
-            "backend": ops.backend(), "frames": out_frames,
-        }
-        if "op" in offender_frame:
-            report["operation"] = _operation_summary(offender_frame)
+        operation = ABSENT
+        if offender_frame.op is not ABSENT:
+            operation = _operation_summary(offender_frame)
         elif blamed is not None:
-            report["operation"] = _operation_summary(out_frames[blamed - lo])
-        return report
+            operation = _operation_summary(out_frames[blamed - lo])
+        return Report(
+            batch_number=hf_batch, batch=batch, found_at_batch=found_at,
+            check=self.options.check, check_every=self.options.check_every, where=self.reader.where,
+            rank=_process.rank(default=None), ranks=[],
+            module=off.owner.name, class_name=off.owner.cls, labels=bad, section=_blame.pass_of(section),
+            max_frames_to_save=max_frames, headroom=self.options.headroom,
+            backend=ops.backend(), frames=out_frames, operation=operation,
+        ).to_json()
 
 
 __all__ = ["ReportBuilder", "OPERATION_FRAMES"]

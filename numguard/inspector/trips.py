@@ -10,6 +10,7 @@ from .. import schema
 from .. import process as _process
 from .. import report as _report
 from ..errors import HeadroomWarning, InspectorWarning, NonFiniteError, NonFiniteWarning
+from ..report_types import FirstFault, FrameworkStep
 from . import blame as _blame
 from . import checks
 from .frames import TENSOR
@@ -100,10 +101,11 @@ class Reporter:
         if report is not None:
             report["ranks"] = [list(r) for r in ranks]
             if first is not None:
-                report["first_fault"] = {"rank": first[0], "module": first[1], "labels": list(first.labels),
-                                         "kind": first.kind, "batch": first.batch, "this_rank": not elsewhere}
+                report["first_fault"] = FirstFault(rank=first[0], module=first[1], labels=list(first.labels),
+                                                   kind=first.kind, batch=first.batch,
+                                                   this_rank=not elsewhere).to_json()
             if step is not None:
-                report["framework_step"] = {"name": step[0], "value": step[1]}
+                report["framework_step"] = FrameworkStep(name=step[0], value=step[1]).to_json()
         self.last_report = report
         self.ring.reset_after_trip()
         self.forget_graph_frames()
@@ -212,7 +214,7 @@ class Reporter:
                 continue
             t = 0
             for label, kind in zip(f.labels, f.kinds):
-                if kind & 3 != TENSOR:
+                if kind & schema.LINE_KIND_MASK != TENSOR:
                     continue
                 dtype = f.dtypes[t]
                 p = f.positions[t]
