@@ -145,23 +145,39 @@ class Small(nn.Module):
         return self.head(self.encoder(x, mask=nn.Transformer.generate_square_subsequent_mask(x.shape[1])))
 
 
+class WithLoss(nn.Module):
+    """A root that returns its loss (a scalar, or a Transformers-style dict with "loss")."""
+
+    def __init__(self, net, target, as_dict=False):
+        super().__init__()
+        self.net, self.as_dict = net, as_dict
+        self.register_buffer("target", target)
+
+    def forward(self, x, scale=1.0):
+        out = self.net(x)
+        loss = (out @ self.target).pow(2).mean() * scale
+        return {"loss": loss, "logits": out} if self.as_dict else loss
+
+
+@pytest.mark.parametrize("root_returns", ["output", "loss"])
 @pytest.mark.parametrize("schedule", ["warmup", "cosine", "dropout"])
-def test_no_false_alarm_on_healthy_300_step_runs(schedule):
+def test_no_false_alarm_on_healthy_300_step_runs(schedule, root_returns):
     torch.manual_seed(1)
     model = Small(dropout=0.1 if schedule == "dropout" else 0.0)
+    target = torch.randn(16, 16)
+    watched = WithLoss(model, target) if root_returns == "loss" else model
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     steps = 300
     if schedule == "warmup":
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
     else:
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
-    target = torch.randn(16, 16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        insp = numguard.watch(model, report_to=None, backward=True, spikes=True)
+        insp = numguard.watch(watched, report_to=None, backward=True, spikes=True)
         for _ in range(steps):
             x = torch.randn(4, 12, 16)
-            loss = (model(x) @ target).pow(2).mean()
+            loss = watched(x) if root_returns == "loss" else (model(x) @ target).pow(2).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -169,6 +185,32 @@ def test_no_false_alarm_on_healthy_300_step_runs(schedule):
         insp.close(check=False)
     spikes = [str(w.message) for w in caught if issubclass(w.category, numguard.SpikeWarning)]
     assert spikes == [] and insp.trips == 0
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_a_loss_spike_is_named_as_the_loss_at_its_batch(as_dict):
+    # The targets of one batch are off by 1000x: no module's output moves, the loss does (NOTE:
+    # [loss spikes]). The root's output (the loss itself, or a dict holding it) spikes too, at the
+    # same moment: the loss is named.
+    torch.manual_seed(0)
+    model = WithLoss(Net(), torch.randn(4, 4), as_dict=as_dict)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    at = ARM + 5
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        insp = numguard.watch(model, report_to=None, backward=True, spikes=True)
+        for step in range(ARM + 10):
+            out = model(torch.randn(32, 8), scale=1e4 if step == at else 1.0)
+            opt.zero_grad()
+            (out["loss"] if as_dict else out).backward()
+            opt.step()
+        insp.close(check=False)
+    warned = [w.message for w in caught if issubclass(w.category, numguard.SpikeWarning)]
+    assert warned, "the loss spike was not reported"
+    first = warned[0].spike
+    assert (first["quantity"], first["module"], first["class"], first["batch"]) == ("loss", "", "WithLoss", at)
+    assert first["factor"] > 1000 and insp.spikes()[0] == first
+    assert "spike in (root module) (WithLoss) at batch_number=" in str(warned[0]) and ": loss " in str(warned[0])
 
 
 def test_spikes_add_no_host_sync():

@@ -22,6 +22,16 @@ an exponent, a bad batch) looks like. A gradient's abs max is one element of a h
 distribution: in a healthy 300-step run (tests/test_spikes.py) it jumped 11.5x its median, so its
 floor is MIN_GRADIENT_FACTOR = 100 (an exponent bit flip changes a value by 2^8 or more).
 
+NOTE: [loss spikes]
+The loss is watched too when the root returns it: a one-element floating tensor, or a model
+output's ``.loss`` / ``["loss"]`` (Transformers' ModelOutput, a dict). A forward hook of the root,
+before the inspector's own, copies |loss| into a device row of one slot per history batch (NaN
+when a call returns none), and the rule above tests it as one more row, with the outputs' floor
+(a 10x jump; Megatron-LM's rerun machine flags a loss 10x its early max). It is placed in time
+just before the root's own outputs, which hold the same loss: a loss spike is named as "loss" of
+the root, not as the root's output. A loss computed outside the model is not seen; return it
+from the forward (or watch a module that computes it) to have it watched.
+
 The verdict rides on the one read per check: the first spike in time (the earliest batch; in it,
 the forwards' outputs in the order they returned, then the gradients in the backward's order) is
 written into free words of the ring's state buffer (SPIKE_WORDS) as a code of batch offset,
@@ -48,6 +58,7 @@ ARM = 16
 SPIKE_CODE, SPIKE_VALUE, SPIKE_BASELINE = 5, 6, 7
 SPIKE_WORDS = slice(SPIKE_CODE, SPIKE_BASELINE + 1)
 QUANTITIES = ("output abs max", "gradient abs max")
+LOSS = "loss"  # the quantity of the loss row (NOTE: [loss spikes])
 assert GRAD_MAX > OUT_MAX  # the slice in after_fold takes exactly these two fields
 
 
@@ -61,6 +72,8 @@ class SpikeDetector:
         self._last_tested = None   # the newest batch the last fold tested
         self._rank_of_row = None   # device int64[M]: each module's place in execution order
         self._floor = None         # device float64[2]: log of the outputs' and gradients' floors
+        self.loss = None           # device float64[window]: |loss| of each history slot (NaN: none)
+        self.root = None           # the root's owner (the loss row names it)
 
     @outside_inference_mode
     def _execution_order(self, frames, modules, device):
@@ -71,9 +84,25 @@ class SpikeDetector:
         for f in frames:
             row = f.owner.index
             if f.section == "forward" and 0 <= row < modules and row not in rank:
+                if f.owner.is_root:   # the loss (row `modules`) is known as the root returns
+                    rank[modules] = len(rank)
                 rank[row] = len(rank)
-        order = [rank.get(row, modules + row) for row in range(modules)]
+        rank.setdefault(modules, len(rank))
+        order = [rank.get(row, modules + 1 + row) for row in range(modules + 1)]
         return host_to_device(torch.tensor(order, dtype=torch.int64), device)
+
+    @outside_inference_mode
+    def note_loss(self, output, slot, window, device):
+        """Keep |loss| of the batch in history slot `slot` (NOTE: [loss spikes]): the root's
+        output when it is a one-element floating tensor, else its ``.loss`` or ``["loss"]``; NaN
+        when it has none. One device copy, no host read."""
+        if self.loss is None or self.loss.device != device or self.loss.numel() != window:
+            self.loss = torch.full((window,), math.nan, dtype=torch.float64, device=device)
+        loss = _loss_of(output)
+        if loss is None:
+            self.loss[slot].fill_(math.nan)
+        else:
+            self.loss[slot].copy_(loss.detach().reshape(()).abs())
 
     def after_fold(self, history, state_buf, frames=()):
         """Test every batch this fold brought in (`frames`: with check_every=N, or a backward whose
@@ -109,6 +138,10 @@ class SpikeDetector:
             is_tested = host_to_device(mask, device)
         # A strided slice, not a list index (which would copy an index tensor from the host).
         values = table[:, :, OUT_MAX:GRAD_MAX + 1:GRAD_MAX - OUT_MAX]  # [M, W, 2]: outputs, gradients
+        # The loss row (row M, as an output; NOTE: [loss spikes]).
+        loss = self.loss if self.loss is not None and self.loss.device == device and \
+            self.loss.numel() == window else torch.full((window,), math.nan, dtype=torch.float64, device=device)
+        values = torch.cat([values, torch.stack([loss, torch.full_like(loss, math.nan)], dim=1).unsqueeze(0)])
         # The baseline: the batches folded before (a mask, not a boolean index, which would wait
         # for the device).
         valid = (values > 0) & torch.isfinite(values)
@@ -162,13 +195,25 @@ class SpikeDetector:
         offset, code = divmod(code - 1, 2 * m)
         row, field = divmod(code, 2)
         value, baseline = struct.unpack("<2d", struct.pack("<2q", *values[SPIKE_VALUE:SPIKE_BASELINE + 1]))
-        owner = owners[row] if 0 <= row < len(owners) else None
+        loss_row = row == m - 1
+        owner = self.root if loss_row else owners[row] if 0 <= row < len(owners) else None
         spike = {"module": None if owner is None else owner.name, "class": None if owner is None else owner.cls,
-                 "quantity": QUANTITIES[field], "value": value, "baseline": baseline,
+                 "quantity": LOSS if loss_row else QUANTITIES[field], "value": value, "baseline": baseline,
                  "factor": value / baseline if baseline > 0 else math.inf, "batch": first_batch + offset,
                  "rank": rank}
         self.found.append(spike)
         return spike
+
+
+def _loss_of(output):
+    """The loss in a root's output: a one-element floating tensor, or the ``.loss`` /
+    ``["loss"]`` of a model output (Transformers' ModelOutput, a dict); else None."""
+    for value in (output, getattr(output, "loss", None),
+                  output.get("loss") if isinstance(output, dict) else None):
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point() \
+                and type(value) is torch.Tensor:
+            return value
+    return None
 
 
 def message(spike) -> str:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import warnings
 
+import torch
+
 from .. import process as _process
 from ..errors import SpikeError, SpikeWarning
 from . import spikes as _spikes
@@ -20,6 +22,26 @@ class HistoryFeature(Feature):
         self.inspector = inspector
         self.history = ModuleHistory(inspector._owners, device)
         self.spikes = _spikes.SpikeDetector(spikes) if spikes else None
+        if self.spikes is not None:
+            model = inspector._model_ref()
+            # Before the inspector's own root hook, which ends the batch and checks it.
+            inspector._handles.append(model.register_forward_hook(
+                torch.compiler.disable(self._root_returned), prepend=True))
+            self.spikes.root = next((o for o in inspector._owners if o.is_root), None)
+
+    def _root_returned(self, module, args, output):
+        insp = self.inspector
+        if self.spikes is None or self.spikes.root is None or self.history is None or insp._batch.depth != 1 \
+                or insp._batch.closed:
+            return None
+        try:
+            history = self.history
+            self.spikes.note_loss(output, insp._batch.done % history.window, history.window, history.table.device)
+        except Exception as exc:  # the loss is lost, never the job
+            insp._warn_once(("spikes", "loss"), f"numguard: loss spikes are not watched after an internal "
+                                                f"error ({type(exc).__name__}: {exc})")
+            self.spikes.root = self.spikes.loss = None
+        return None
 
     def device_moved(self, device):
         if self.history is not None:
