@@ -259,7 +259,7 @@ def test_margin_retries_one_step_smaller(monkeypatch):
     total = 1000
     peaks = {128: 960, 64: 800, 32: 400}
     current = {}
-    monkeypatch.setattr(memory, "device_memory", lambda: (0, peaks[current["s"]], total))
+    monkeypatch.setattr(memory.oom, "device_memory", lambda: (0, peaks[current["s"]], total))
     tried = []
 
     @numguard.find_executable_batch_size(starting_batch_size=128, margin=0.1, reduction=0.5)
@@ -406,7 +406,7 @@ def test_timeout_advice_names_guard_ddp_only_when_it_is_not_in_place():
     from types import SimpleNamespace
 
     def advice(guarded, unwatched=()):
-        return memory._Exchange.advice(SimpleNamespace(ddp_guarded=guarded,
+        return memory.ranks._Exchange.advice(SimpleNamespace(ddp_guarded=guarded,
                                                        ddp_unwatched=list(unwatched)))
 
     assert "guard_ddp(model)" in advice(0) and "inside the decorated function" in advice(0)
@@ -419,7 +419,7 @@ def test_timeout_advice_names_guard_ddp_only_when_it_is_not_in_place():
 
 def test_guard_ddp_runs_the_users_hook_after_numguards_round():
     calls = []
-    hook = memory._WrappedCommHook(lambda state, bucket: calls.append((state, bucket)) or "fut",
+    hook = memory.ranks._WrappedCommHook(lambda state, bucket: calls.append((state, bucket)) or "fut",
                                    "my state")
     assert hook(None, "bucket") == "fut" and calls == [("my state", "bucket")]
 
