@@ -23,6 +23,8 @@ numguard's own failure here warns once and stops this feature; the NaN/Inf watch
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .. import quant as _quant
@@ -74,6 +76,7 @@ class QuantWatch(Feature):
         self.rows = {}       # (owner index, quantity) -> _Row
         self.sums = {}       # device -> float64[capacity, _SUMMED]
         self._fmax = {}      # device -> the format's max, 0-dim float32
+        self.seen = {}       # id(tensor) -> (weak ref, version, record): measured in this batch
         self.backward = bool(inspector.options.backward)
         for owner in inspector._owners:
             module = owner.ref() if owner.ref is not None else None
@@ -122,8 +125,26 @@ class QuantWatch(Feature):
         records[:, Q_SQ_ERROR] /= torch.stack(scales).to(torch.float64).square().to(records.device)
         return records
 
+    def _summed(self, tensors):
+        """The summed leading fields of the records of `tensors`. A tensor measured earlier in the
+        batch and unchanged since (the root returns its last child's output; a block returns
+        its last layer's) is not measured again: the kernel is the cost of this feature."""
+        records, fresh = [], []
+        for t in tensors:
+            hit = self.seen.get(id(t))
+            if hit is not None and hit[0]() is t and hit[1] == t._version:
+                records.append(hit[2])
+            else:
+                fresh.append(t)
+        if fresh:
+            measured = self.measure(fresh)[:, :_SUMMED]
+            for t, record in zip(fresh, measured):
+                self.seen[id(t)] = (weakref.ref(t), t._version, record)
+            records.extend(measured)
+        return records[0] if len(records) == 1 else torch.stack(records).sum(dim=0)
+
     def _add(self, owner, quantity, tensors):
-        record = self.measure(tensors)[:, :_SUMMED].sum(dim=0)
+        record = self._summed(tensors)
         row = self.rows.get((owner.index, quantity))
         if row is None:
             row = self.rows[(owner.index, quantity)] = _Row(len(self.rows), owner.name, quantity)
@@ -148,8 +169,10 @@ class QuantWatch(Feature):
     # -- the lifecycle -------------------------------------------------------------------------
     def begin_batch(self, batch):
         self.batch = batch
+        self.seen.clear()
 
     def device_moved(self, device):
+        self.seen.clear()
         self.rows.clear()
         self.sums.clear()
         self._fmax.clear()
