@@ -508,8 +508,7 @@ class Inspector(ModuleHooks):
         return _advice.advise(self.history())
 
     def quant_table(self) -> list:
-        """quant=: per module and quantity, the underflow and saturated fractions and the MSE its
-        tensors would get in that format, worst first ([] when off). One device->host copy."""
+        """quant=: the what-if rows, worst first ([] when off; numguard.inspector.quant_watch)."""
         return [] if self._quant is None else self._quant.table()
 
     def history(self) -> dict:
