@@ -4,7 +4,8 @@ Conditions (interleaved round-robin, medians): no hooks / an empty forward hook 
 (PyTorch's hook dispatch alone) / numguard.watch (sync check) / numguard
 check="async" / numguard check_every=10 / numguard backward=True (training only, when available)
 / numguard ops=True (training only) / numguard replay=True / numguard spikes=True (also with
-backward=True) / Transformers' DebugUnderflowOverflow /
+backward=True) / numguard quant=float8_e4m3fn and quant=mxfp8_e4m3 (float8 also with backward=True)
+/ Transformers' DebugUnderflowOverflow /
 torch.autograd.detect_anomaly. Models: a stack of 200 Linear(4, 4) (host cost per module call),
 random-init GPT-2 (~1M and ~14M parameters) and T5 (~13M), CPU, one thread. Steps: forward only
 (no_grad) and
@@ -159,6 +160,11 @@ def conditions(training):
     out.append(("numguard spikes=True", lambda m: Watch(m, spikes=True)))
     if training and have_backward():
         out.append(("numguard backward=True spikes=True", lambda m: Watch(m, backward=True, spikes=True)))
+    out.append(("numguard quant=float8_e4m3fn", lambda m: Watch(m, quant="float8_e4m3fn")))
+    out.append(("numguard quant=mxfp8_e4m3", lambda m: Watch(m, quant="mxfp8_e4m3")))
+    if training and have_backward():
+        out.append(("numguard backward=True quant=float8_e4m3fn",
+                    lambda m: Watch(m, backward=True, quant="float8_e4m3fn")))
     out += [("transformers DebugUnderflowOverflow", HFHooks),
             ("torch detect_anomaly", Anomaly)]
     return out

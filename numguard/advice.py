@@ -9,7 +9,9 @@ gradients. From it this module says, worst first:
 * which modules' gradients fall below float16's smallest normal (6.1e-05) at the current loss
   scale (the share of elements, exact when the gradients are float16);
 * the loss-scale range that keeps every non-zero gradient in float16's normal range;
-* which modules to keep in float32 / bfloat16 under autocast.
+* which modules to keep in float32 / bfloat16 under autocast;
+* with watch(quant=FORMAT) (the history's "quant" table), which modules to keep in bf16 rather than
+  FORMAT: above Transformer Engine's AutoswitchGemm thresholds (5% underflow or 1e-4 MSE).
 
 Plain Python: a dump is advised on without torch.
 """
@@ -34,6 +36,10 @@ SCALE_EXP_MIN, SCALE_EXP_MAX = -126, 127
 _NORMAL_MIN = 2.2250738585072014e-308   # float64's smallest normal
 _LN2 = math.log(2.0)
 _LN_FLOAT_MAX = 709.0
+# Transformer Engine's AutoswitchGemm thresholds: a GEMM goes back to high precision above these.
+QUANT_UNDERFLOW = 0.05    # fraction of non-zero elements that quantize to zero
+QUANT_MSE = 1e-4          # mean squared error of the round trip
+_QUANT_NUMBERS = ("underflow", "saturated", "mse")
 
 
 class AdviceError(ValueError):
@@ -81,6 +87,9 @@ class Advice:
     scale_range: tuple | None         # (lowest, highest) power-of-two loss scale keeping gradients in range
     scale_note: str
     keep_wider: list                  # module names to keep in float32 / bfloat16 under autocast
+    quant_format: str | None = None   # watch(quant=...)'s format, None when the history has no what-if
+    quant_rows: list = dataclasses.field(default_factory=list)  # its table, worst first
+    keep_bf16: list = dataclasses.field(default_factory=list)   # (module, reason): keep in bf16, not the format
 
     def __str__(self) -> str:
         return render(self)
@@ -173,10 +182,41 @@ def _check(history):
                          + " or null", v)
 
 
+def _check_quant(quant):
+    if quant is None:
+        return
+    if not isinstance(quant, dict) or not isinstance(quant.get("format"), str) \
+            or not isinstance(quant.get("rows"), list):
+        _bad("quant", 'an object with a "format" string and a "rows" list', quant)
+    for i, row in enumerate(quant["rows"]):
+        if not isinstance(row, dict) or not isinstance(row.get("module"), str) \
+                or not isinstance(row.get("quantity"), str):
+            _bad(f"quant.rows[{i}]", "an object with module and quantity strings", row)
+        for key in _QUANT_NUMBERS:
+            if not (_is_number(row.get(key)) and row[key] >= 0):
+                _bad(f"quant.rows[{i}].{key}", "a number >= 0", row.get(key))
+
+
+def _keep_bf16(rows):
+    """(module, reason) for each module a row puts above the AutoswitchGemm thresholds, worst first."""
+    keep = {}
+    for row in rows:
+        why = []
+        if row["underflow"] > QUANT_UNDERFLOW:
+            why.append(f"{row['quantity']} {row['underflow']:.1%} underflow")
+        if row["mse"] > QUANT_MSE:
+            why.append(f"{row['quantity']} MSE {row['mse']:.2e}")
+        if why:
+            keep.setdefault(row["module"], []).extend(why)
+    return [(name, "; ".join(why)) for name, why in keep.items()]
+
+
 def advise(history: dict, loss_scale=None, loss_scale_source=None) -> Advice:
     """Advice from a history dictionary (see numguard.inspector.history). `loss_scale`: the loss
     scale the recorded gradients were computed with (default: the history's, else 1, assumed)."""
     _check(history)
+    quant = history.get("quant")
+    _check_quant(quant)
     if loss_scale is None:
         loss_scale = history.get("loss_scale")
         loss_scale_source = history.get("loss_scale_source")
@@ -240,7 +280,10 @@ def advise(history: dict, loss_scale=None, loss_scale_source=None) -> Advice:
     rows.sort(key=_risk)
     return Advice(modules=rows, batches=list(batches), loss_scale=float(loss_scale),
                   loss_scale_source=loss_scale_source, scale_range=scale_range, scale_note=note,
-                  keep_wider=[r.name for r in rows if r.keep])
+                  keep_wider=[r.name for r in rows if r.keep],
+                  quant_format=quant["format"] if quant else None,
+                  quant_rows=sorted(quant["rows"], key=lambda r: (-r["underflow"], -r["mse"])) if quant else [],
+                  keep_bf16=_keep_bf16(quant["rows"]) if quant else [])
 
 
 def _risk(r):
@@ -335,4 +378,24 @@ def render(advice: Advice, limit: int = 20) -> str:
             n or "(root)" for n in advice.keep_wider))
     else:
         lines.append("numguard: every watched module stays in float16's range over this history")
+    if advice.quant_format is not None:
+        lines.extend(render_quant(advice))
     return "\n".join(lines)
+
+
+def render_quant(advice: Advice, limit: int = 20) -> list:
+    """The what-if lines of watch(quant=...): its table, worst first, and the modules to keep in bf16."""
+    fmt = advice.quant_format
+    lines = [f"numguard what-if: the watched tensors as {fmt} with current scaling:",
+             f"{'module':40} {'quantity':12} {'underflow':>9} {'saturated':>9} {'mse':>9} {'batches':>7}"]
+    for r in advice.quant_rows[:limit]:
+        lines.append(f"{(r['module'] or '(root)')[:40]:40} {r['quantity'][:12]:12} {r['underflow']:>9.2%} "
+                     f"{r['saturated']:>9.2%} {r['mse']:>9.2e} {r.get('batches', '-'):>7}")
+    thresholds = (f"Transformer Engine's AutoswitchGemm thresholds ({QUANT_UNDERFLOW:.0%} underflow or "
+                  f"{QUANT_MSE:.0e} MSE)".replace("e-0", "e-"))
+    if advice.keep_bf16:
+        lines.append(f"numguard: above {thresholds}, keep in bf16 rather than {fmt}: " + ", ".join(
+            f"{name or '(root)'} ({why})" for name, why in advice.keep_bf16))
+    else:
+        lines.append(f"numguard: every watched module stays within {thresholds} as {fmt}")
+    return lines

@@ -33,7 +33,11 @@ Schema (``format == "numguard-report"``, ``version == 1``); JSON numbers may be 
         "modules": [{"name": str, "class": str, "dtype": str | null, "grad_dtype": str | null,
                      "out_abs_max": [float | null, ...], "in_abs_max": [...], "min_nonzero": [...],
                      "grad_abs_max": [...], "grad_min_nonzero": [...], "grad_subnormal_share": [...]},
-                    ...]},   # one value per batch; python -m numguard advise FILE
+                    ...],    # one value per batch; python -m numguard advise FILE
+        "quant": {"format": str, "rows": [{"module": str, "quantity": "output" | "grad_output",
+                                           "underflow": float, "saturated": float, "mse": float,
+                                           "batches": int}, ...]}},
+                                # optional: watch(quant=...)'s what-if table, worst first
       "replay": {"module": str, "class": str, "reproduced": bool, "op": str | null, "site": str | null,
                  "op_module": str | null, "op_class": str | null, "reason": str},
                                 # optional: watch(replay=True)'s re-run of the first bad module

@@ -515,6 +515,27 @@ def _spikes_text(text):
     raise _Invalid()
 
 
+# numguard.schema.QUANT_FORMATS' names (this module imports nothing of numguard; a test keeps them equal).
+QUANT_FORMAT_NAMES = ("float8_e4m3fn", "float8_e5m2", "mxfp8_e4m3", "mxfp8_e5m2", "nvfp4")
+_QUANT_ACCEPTED = "use one of " + ", ".join(repr(n) for n in QUANT_FORMAT_NAMES) + ", or None / False (off)"
+
+
+def _quant(value):
+    if value is None or value is False or (type(value) is int and value == 0):
+        return None
+    if isinstance(value, str) and value in QUANT_FORMAT_NAMES:
+        return value
+    raise OptionError("quant", value, _QUANT_ACCEPTED)
+
+
+def _quant_text(text):
+    if text == "0":
+        return None
+    if text.lower() in QUANT_FORMAT_NAMES:
+        return text.lower()
+    raise _Invalid()
+
+
 @dataclass(frozen=True)
 class WatchOption:
     """One watch() option, declared once: its name, default, check, meaning and variable. The
@@ -592,6 +613,12 @@ WATCH_OPTIONS = (
                 "`\"warn\"` (or True) "
                 "gives a numguard.SpikeWarning, `\"raise\"` a numguard.SpikeError; False: off",
                 "NUMGUARD_SPIKES"),
+    WatchOption("quant", None, _quant,
+                "measure each module's outputs (and gradients with backward=True) as if cast to this "
+                "low-precision format with current scaling (numguard.inspector.quant_watch): "
+                "`insp.quant_table()` gives underflow, saturation and MSE per module, `insp.advice()` "
+                "names the modules to keep in bf16; one of `\"float8_e4m3fn\"`, `\"float8_e5m2\"`, "
+                "`\"mxfp8_e4m3\"`, `\"mxfp8_e5m2\"`, `\"nvfp4\"`; None: off", "NUMGUARD_QUANT"),
     WatchOption("rerun", False, _flag("rerun"),
                 "after a trip, run the batch's forward again on the same inputs and device "
                 "(numguard.inspector.rerun): the verdict, a numguard.Attribution on the error or warning "
@@ -697,6 +724,10 @@ VARIABLES = (
     _setting("NUMGUARD_SPIKES",
              "`0`/`1`/`warn`/`raise`: find a module's value far outside its own recent range (`1`: warn)",
              "0, 1, warn or raise (any case)", _spikes_text),
+    _setting("NUMGUARD_QUANT",
+             "`0`/unset: off; a format (`float8_e4m3fn`, `float8_e5m2`, `mxfp8_e4m3`, `mxfp8_e5m2`, "
+             "`nvfp4`): measure each module's outputs as if cast to it (`quant_table()`)",
+             ", ".join(QUANT_FORMAT_NAMES) + " or 0 (any case)", _quant_text),
     _setting("NUMGUARD_RERUN",
              "`0`/`1`: after a trip, rerun the batch's forward on the same inputs to tell a transient "
              "fault from a reproducible one", _SWITCH, _switch),

@@ -24,6 +24,7 @@ MISSING = "missing; the file is damaged or not a numguard dump"
 
 __all__ = ["ABSENT", "FORMAT", "VERSION", "ReportFieldError", "Report", "ReportFrame", "ReportLine",
            "Operation", "FirstFault", "FrameworkStep", "History", "ModuleHistory", "HISTORY_SERIES",
+           "QuantRow", "QuantTable",
            "Replay", "Rerun", "Outlier"]
 
 
@@ -340,6 +341,25 @@ class ModuleHistory(_JsonObject):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantRow(_JsonObject):
+    """One row of watch(quant=...)'s what-if table: a module's quantity ("output", "grad_output"),
+    its underflow and saturated fractions of the non-zero elements, MSE, and batches measured."""
+    module: str = _field(STR, required=True)
+    quantity: str = _field(STR, required=True)
+    underflow: float = _field(NUMBER)
+    saturated: float = _field(NUMBER)
+    mse: float = _field(NUMBER)
+    batches: int = _field(BATCH)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantTable(_JsonObject):
+    """watch(quant=...)'s what-if: the format and its table, worst first (Inspector.quant_table())."""
+    format: str = _field(STR, required=True)
+    rows: list = _field(ListOf(Part(QuantRow)))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class History(_JsonObject):
     """The per-module history precision advice reads (batches oldest first), and the loss scale the
     gradients were seen at ("GradScaler", or "assumed" 1)."""
@@ -348,6 +368,7 @@ class History(_JsonObject):
     modules: list = _field(ListOf(Part(ModuleHistory)))
     loss_scale: Optional[float] = _field(NUMBER_OR_NULL)
     loss_scale_source: str = _field(STR)
+    quant: QuantTable = _field(Part(QuantTable))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

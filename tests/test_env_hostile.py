@@ -28,6 +28,7 @@ EDGES = {
     "NUMGUARD_REPLICA_CHECK": [str(env.MAX_BATCH_NUMBER), str(env.MAX_BATCH_NUMBER + 1), "0"],
     "NUMGUARD_TRACE_BATCHES": [f"0-{env.MAX_BATCH_NUMBER}", f"0-{env.MAX_BATCH_NUMBER + 1}"],
     "NUMGUARD_LOG_LEVEL": ["50", "51", "050"],
+    "NUMGUARD_QUANT": ["nvfp4", "MXFP8_E4M3", " float8_e5m2 ", "float8", "fp8", "nvfp4,mxfp8_e4m3"],
 }
 
 
@@ -86,6 +87,8 @@ REFERENCE = {  # variable -> (reading of the stripped text, default)
     "NUMGUARD_REPLICA_CHECK": (_whole(0, env.MAX_BATCH_NUMBER), 0),
     "NUMGUARD_SPIKES": (lambda t: {"0": False, "1": "warn"}.get(t, t.lower() if t.lower() in ("warn", "raise")
                                                                else ERROR), False),
+    "NUMGUARD_QUANT": (lambda t: None if t == "0" else (t.lower() if t.lower() in (
+        "float8_e4m3fn", "float8_e5m2", "mxfp8_e4m3", "mxfp8_e5m2", "nvfp4") else ERROR), None),
 }
 
 

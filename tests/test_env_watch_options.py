@@ -25,7 +25,7 @@ POOL = [None, True, False, 0, 1, -1, 2, 21, 1.0, 0.5, 1.5, -0.1, math.nan, math.
         b"12", bytearray(b"1"), [], [1, 3], [1.0], [True], [-1], ["1"], [2 ** 70], (0, 2), {4}, {1: 2},
         (b for b in [1]), {1: 2}.keys(), range(3), range(0, 10 ** 10), range(0, 10 ** 8, 3), range(-1, 3), BatchSet.parse("1-10"),
         object(), Writer(), io.StringIO(), print, list, pathlib.Path("/tmp/d"), pathlib.Path(""),
-        "/tmp/d", 1 + 0j]
+        "/tmp/d", 1 + 0j, "nvfp4", "NVFP4"]
 
 
 def _is_int(v):
@@ -80,6 +80,12 @@ def _spikes(v):
     return v if isinstance(v, str) and v in ("warn", "raise") else ERROR
 
 
+def _quant(v):
+    if v is None or v is False or (type(v) is int and v == 0):
+        return None
+    return v if isinstance(v, str) and v in env.QUANT_FORMAT_NAMES else ERROR
+
+
 def _report_to(v):
     if v is None or callable(getattr(v, "write", None)) or (callable(v) and not isinstance(v, (str, bytes))):
         return v
@@ -105,6 +111,7 @@ RULES = {
     "spikes": _spikes,
     "rerun": _flag,
     "recover": _flag,
+    "quant": _quant,
 }
 
 

@@ -31,6 +31,7 @@ from .hooks import BatchState, ModuleHooks, active
 from .options import STDOUT, WatchOptions
 from .operations import OperationRecorder
 from .replay import InputKeeper
+from .quant_watch import QuantWatch
 from .rerun import RootRerun
 from .ring import FrameRing
 from .trips import Reporter
@@ -171,6 +172,7 @@ class Inspector(ModuleHooks):
         self._keeper = None               # replay=True: each module's last inputs (numguard.inspector.replay)
         self._rerun = None                # rerun=True: the root's kept calls (numguard.inspector.rerun)
         self._history = None              # history, advice and spikes (numguard.inspector.watched_history)
+        self._quant = None                # quant=: the low-precision what-if (numguard.inspector.quant_watch)
         self._registered = []             # weak refs of the modules counted in _watched
         self._created_at = _caller_site()
         self._ring = FrameRing(max(64, 8 * opts.max_frames_to_save), _model_device(model),
@@ -198,6 +200,7 @@ class Inspector(ModuleHooks):
             if opts.backward:  # handed operation mode, to enter it for each backward
                 self._backward_watch = self._add(_gradients.watch_gradients(self, model, opts, self._ops))
             self._history = self._add(HistoryFeature(self, self._ring.device, opts.spikes))
+            self._quant = self._add(QuantWatch(self, opts.quant)) if opts.quant else None
             if opts.replay:
                 self._keeper = self._add(InputKeeper(self, self._ring.device))
                 self._keeper.install(self._owners, self._handles)
@@ -504,6 +507,10 @@ class Inspector(ModuleHooks):
 
         return _advice.advise(self.history())
 
+    def quant_table(self) -> list:
+        """quant=: the what-if rows, worst first ([] when off; numguard.inspector.quant_watch)."""
+        return [] if self._quant is None else self._quant.table()
+
     def history(self) -> dict:
         """The per-module history as plain data (the "history" field of a dump)."""
         return self._history.to_dict()
@@ -538,7 +545,7 @@ class Inspector(ModuleHooks):
 for _name, _option in {"on_trip": "on_trip", "check_mode": "check", "backward": "backward",
                        "headroom": "headroom", "dump_dir": "dump_dir", "extras": "extras",
                        "scaler_skips": "scaler_skips", "ops": "ops", "replay": "replay",
-                       "rerun": "rerun"}.items():
+                       "rerun": "rerun", "quant": "quant"}.items():
     setattr(Inspector, _name, property(operator.attrgetter(f"options.{_option}"),
                                        doc=f"watch()'s {_option} option (read-only)"))
 

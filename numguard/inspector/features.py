@@ -5,8 +5,9 @@ below and never asks which kind it is. A feature is built with what it needs (th
 ring's device) and added to ``Inspector.features``; a new one is a module with its class and one
 line in ``Inspector.__init__``. The features today: the history and spike detector
 (``history.HistoryFeature``), replay's input keeper (``replay.InputKeeper``), frames inside
-compiled graphs (``graph.GraphRecorder``), operation mode (``operations.OperationRecorder``) and
-gradient watching (``numguard.backward.BackwardWatcher``).
+compiled graphs (``graph.GraphRecorder``), operation mode (``operations.OperationRecorder``),
+gradient watching (``numguard.backward.BackwardWatcher``) and the low-precision what-if
+(``quant_watch.QuantWatch``).
 
 A feature's own failure is its own: the methods below handle it (warn, switch the feature off)
 and never raise into the training step, except where the user asked for an error (SpikeError).

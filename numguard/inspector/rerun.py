@@ -63,19 +63,19 @@ class _Call:
         self.changed = None  # ids of the buffers the call changed, once it returned
 
 
-def _tensors(value, out):
+def output_tensors(value, out):
     """The tensors inside an output (tuples, lists, dicts and ModelOutput, dataclass fields)."""
     if isinstance(value, _Tensor):
         out.append(value)
     elif isinstance(value, (list, tuple)):
         for v in value:
-            _tensors(v, out)
+            output_tensors(v, out)
     elif isinstance(value, dict):
         for v in value.values():
-            _tensors(v, out)
+            output_tensors(v, out)
     elif hasattr(value, "__dataclass_fields__"):
         for name in value.__dataclass_fields__:
-            _tensors(getattr(value, name, None), out)
+            output_tensors(getattr(value, name, None), out)
     return out
 
 
@@ -87,7 +87,7 @@ def _bits(x):
 
 def identical(a, b) -> bool:
     """Whether two outputs hold the same tensors bit for bit (shapes, dtypes and bytes)."""
-    xs, ys = _tensors(a, []), _tensors(b, [])
+    xs, ys = output_tensors(a, []), output_tensors(b, [])
     if len(xs) != len(ys):
         return False
     for x, y in zip(xs, ys):
@@ -319,7 +319,7 @@ class RootRerun(Feature):
         handles = []
 
         def look(key, module, args_, output):
-            xs = _tensors(output, [])
+            xs = output_tensors(output, [])
             floats = [x.detach() for x in xs if x.is_floating_point() or x.is_complex()]
             if floats:
                 bad = torch.stack([~torch.isfinite(x).all() for x in floats]).any()
@@ -371,7 +371,7 @@ class RootRerun(Feature):
                 if hit:
                     reproduced = name_cls
                     break
-        top = _tensors(output, [])
+        top = output_tensors(output, [])
         if reproduced is None and any(x.is_floating_point() and x.numel() and not bool(torch.isfinite(x).all())
                                       for x in top):
             reproduced = names.get(id(model), ("", type(model).__name__))
@@ -383,4 +383,4 @@ class RootRerun(Feature):
         return sum(1 for i in (call.changed or ()) if i not in call.before)
 
 
-__all__ = ["RootRerun", "identical"]
+__all__ = ["RootRerun", "identical", "output_tensors"]

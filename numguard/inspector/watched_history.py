@@ -111,6 +111,9 @@ class HistoryFeature(Feature):
         if scaler is not None and scaler.is_enabled():
             scale, source = float(scaler.get_scale()), "GradScaler"
         data["loss_scale"], data["loss_scale_source"] = scale, source
+        quant = getattr(self.inspector, "_quant", None)
+        if quant is not None:  # quant=: the what-if table advice reads
+            data["quant"] = quant.to_dict()
         return data
 
     def found_spikes(self) -> list:
