@@ -1,5 +1,6 @@
 """The package's layout: no import circle among numguard's modules, imports inside functions
-included (a circle hidden in a function still ties the two modules' designs together)."""
+included (a circle hidden in a function still ties the two modules' designs together), and no
+class over 400 lines."""
 from __future__ import annotations
 
 import ast
@@ -111,3 +112,15 @@ def test_no_import_circle_among_numguard_modules():
     detail = [" -> ".join(c) + ": " + "; ".join(f"{m} imports {sorted(graph[m] & set(c))}" for m in c)
               for c in found]
     assert found == [], "import circles:\n" + "\n".join(detail)
+
+
+def test_no_class_over_400_lines():
+    # A class past this size does several jobs: split it (numguard.inspector.features).
+    big = []
+    for module, path in sorted(_modules().items()):
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 400:
+                big.append(f"{module}.{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert big == []

@@ -197,21 +197,8 @@ class Inspector(ModuleHooks):
             _take_root(model, self)
             self._install_hooks(model)
             self._registered = _count_watched(list(self._module_names.keys()))
-            if opts.backward:  # handed operation mode, to enter it for each backward
-                self._backward_watch = self._add(_gradients.watch_gradients(self, model, opts, self._ops))
-            self._history = self._add(HistoryFeature(self, self._ring.device, opts.spikes))
-            self._quant = self._add(QuantWatch(self, opts.quant)) if opts.quant else None
-            if opts.replay:
-                self._keeper = self._add(InputKeeper(self, self._ring.device))
-                self._keeper.install(self._owners, self._handles)
-            if opts.rerun:
-                self._rerun = self._add(RootRerun(self, self._ring.device, opts.recover))
-                self._rerun.install(model, self._handles)
-                self._reporter.attribution = self._rerun.attribution
+            _add_features(self, model, opts)
             self._reporter.annotate = self._annotate_report
-            if opts.replicas:  # removed with the other hooks at close()
-                from ..distributed import replicas
-                self._handles.append(replicas.attach(self, model))
         except BaseException:
             self.close(check=False)  # a watch() that fails leaves no hook behind
             raise
@@ -539,6 +526,26 @@ class Inspector(ModuleHooks):
         done = self._batch.done
         return (f"numguard: aborting after batch_number={batch} ({done} batch{'es' if done != 1 else ''} run) "
                 f"as requested by abort_after_batch_num={self.abort_after_batch_num}")
+
+
+def _add_features(insp, model, opts):
+    """The features that watch()'s options ask for, after the module hooks (numguard.inspector.
+    features; a new feature is its module plus a line here)."""
+    device = insp._ring.device
+    if opts.backward:  # handed operation mode, to enter it for each backward
+        insp._backward_watch = insp._add(_gradients.watch_gradients(insp, model, opts, insp._ops))
+    insp._history = insp._add(HistoryFeature(insp, device, opts.spikes))
+    insp._quant = insp._add(QuantWatch(insp, opts.quant)) if opts.quant else None
+    if opts.replay:
+        insp._keeper = insp._add(InputKeeper(insp, device))
+        insp._keeper.install(insp._owners, insp._handles)
+    if opts.rerun:
+        insp._rerun = insp._add(RootRerun(insp, device, opts.recover))
+        insp._rerun.install(model, insp._handles)
+        insp._reporter.attribution = insp._rerun.attribution
+    if opts.replicas:  # removed with the other hooks at close()
+        from ..distributed import replicas
+        insp._handles.append(replicas.attach(insp, model))
 
 
 # watch()'s options, read-only under the names they always had (report_to is settable).
