@@ -338,8 +338,6 @@ class ModuleHistory(_JsonObject):
     grad_subnormal_share: list = _field(SERIES)
 
 
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QuantRow(_JsonObject):
     """One row of watch(quant=...)'s what-if table: a module's quantity ("output", "grad_output"),

@@ -3,11 +3,11 @@
 The Inspector knows its features by this protocol only: it calls each one in turn at the points
 below and never asks which kind it is. A feature is built with what it needs (the inspector, the
 ring's device) and added to ``Inspector.features``; a new one is a module with its class and one
-line in ``Inspector.__init__``. The features today: the history and spike detector
-(``history.HistoryFeature``), replay's input keeper (``replay.InputKeeper``), frames inside
-compiled graphs (``graph.GraphRecorder``), operation mode (``operations.OperationRecorder``),
-gradient watching (``numguard.backward.BackwardWatcher``) and the low-precision what-if
-(``quant_watch.QuantWatch``).
+line in ``core._add_features``. The features today: the history and spike detector
+(``watched_history.HistoryFeature``), replay's input keeper (``replay.InputKeeper``), the root's
+rerun (``rerun.RootRerun``), frames inside compiled graphs (``graph.GraphRecorder``), operation
+mode (``operations.OperationRecorder``), gradient watching (``gradients.BackwardWatcher``) and
+the low-precision what-if (``quant_watch.QuantWatch``).
 
 A feature's own failure is its own: the methods below handle it (warn, switch the feature off)
 and never raise into the training step, except where the user asked for an error (SpikeError).
