@@ -6,7 +6,8 @@ Cases (out-of-memory simulated above a per-rank size limit: rank 0 fits anything
   plain     no collective in the step: what size (and result) each rank ends with;
   ddp       a two-rank gloo DDP step; rank 1 runs out inside a custom autograd Function's
             backward while rank 0 goes on to the gradient all_reduce;
-  ddp-nohook  numguard without guard_ddp(model): the timeout path (NUMGUARD_DIST_TIMEOUT=4);
+  ddp-nohook  numguard without the user's guard_ddp(model): a DDP model built inside the
+            decorated function is guarded all the same (NUMGUARD_DIST_TIMEOUT=4);
   release   one process: tensors of the failed try still alive when the retry starts.
 Every two-rank case runs under a hard timeout; a rank still running then is reported as hung.
 Prints a table and writes benchmarks/results/compare_batch_finder.json.

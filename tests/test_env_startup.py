@@ -418,3 +418,25 @@ def test_dist_check_turns_accelerate_debug_mode_off(job_env):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "0"
     assert "checked by numguard's collective check only" in out.stderr
+
+
+ACCELERATE_SCRIPT = os.path.join(REPO, "tests", "scripts", "unmodified_accelerate.py")
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_unmodified_accelerate_script(job_env, precision):
+    """NUMGUARD=1 on an Accelerate script that never imports numguard (prepare, accelerator.backward,
+    a TransformerEncoder with PyTorch's causal mask): a healthy run prints nothing of numguard's; an
+    overflow stops the job at its step, named in the report."""
+    pytest.importorskip("accelerate")
+    args = [ACCELERATE_SCRIPT, "--steps", "4", "--mixed-precision", precision]
+    healthy = run(args, job_env(NUMGUARD="1"))
+    assert healthy.returncode == 0, healthy.stderr
+    assert "finished 4 steps" in healthy.stdout
+    assert "numguard" not in healthy.stdout + healthy.stderr, healthy.stdout + healthy.stderr
+
+    tripped = run(args + ["--overflow-at", "2"], job_env(NUMGUARD="1"))
+    assert tripped.returncode != 0
+    assert "step 1 loss" in tripped.stdout and "step 2 loss" not in tripped.stdout
+    assert "Detected inf/nan during batch_number=2" in tripped.stdout
+    assert "NonFiniteError" in tripped.stderr and "encoder.layers.1.linear2" in tripped.stderr
