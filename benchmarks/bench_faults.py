@@ -154,12 +154,16 @@ def healthy_alarms(steps=300):
 
 
 def overhead(blocks=7, steps=20):
+    """The healthy step with spikes=True, rerun=True against plain watch(), interleaved in one run;
+    also both with backward=True (gradients and the parameter-gradient norms watched)."""
     torch.manual_seed(0)
     model = TinyLM()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     xs = [torch.randn(BATCH, SEQ, D) for _ in range(steps)]
-    times = {"watch()": [], "spikes+rerun": []}
-    options = {"watch()": {}, "spikes+rerun": {"spikes": True, "rerun": True}}
+    armed = {"spikes": True, "rerun": True}
+    options = {"watch()": {}, "spikes+rerun": armed,
+               "watch(backward)": {"backward": True}, "backward+spikes+rerun": dict(armed, backward=True)}
+    times = {name: [] for name in options}
     for _ in range(blocks):
         for name, opts in options.items():
             insp = numguard.watch(model, report_to=None, **opts)
@@ -173,10 +177,14 @@ def overhead(blocks=7, steps=20):
                 opt.step()
             times[name].append((time.perf_counter() - t0) / steps)
             insp.close(check=False)
-    ratios = [b / a for a, b in zip(times["watch()"], times["spikes+rerun"])]
-    return {"step_ms_watch": 1e3 * statistics.median(times["watch()"]),
-            "step_ms_spikes_rerun": 1e3 * statistics.median(times["spikes+rerun"]),
-            "ratio_median": statistics.median(ratios), "ratios": ratios}
+    out = {}
+    for base, armed_name, key in (("watch()", "spikes+rerun", ""), ("watch(backward)", "backward+spikes+rerun",
+                                                                    "_backward")):
+        ratios = [b / a for a, b in zip(times[base], times[armed_name])]
+        out.update({f"step_ms_watch{key}": 1e3 * statistics.median(times[base]),
+                    f"step_ms_spikes_rerun{key}": 1e3 * statistics.median(times[armed_name]),
+                    f"ratio_median{key}": statistics.median(ratios), f"ratios{key}": ratios})
+    return out
 
 
 def main(argv=None):
@@ -196,8 +204,10 @@ def main(argv=None):
     for h in healthy:
         print(f"healthy run seed={h['seed']} dropout={h['dropout']}: {h['alarms']} alarms in {h['steps']} steps")
     cost = overhead(3 if args.quick else 7)
-    print(f"step time: watch() {cost['step_ms_watch']:.2f} ms, spikes+rerun {cost['step_ms_spikes_rerun']:.2f} ms, "
-          f"median ratio {cost['ratio_median']:.3f} over {len(cost['ratios'])} alternating blocks")
+    for key, label in (("", ""), ("_backward", ", both with backward=True")):
+        print(f"step time{label}: watch() {cost['step_ms_watch' + key]:.2f} ms, spikes+rerun "
+              f"{cost['step_ms_spikes_rerun' + key]:.2f} ms, median ratio {cost['ratio_median' + key]:.3f} over "
+              f"{len(cost['ratios' + key])} alternating blocks")
     os.makedirs(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), exist_ok=True)
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_faults.json")
     with open(path, "w") as f:

@@ -609,7 +609,8 @@ WATCH_OPTIONS = (
                 "NUMGUARD_REPLICA_CHECK"),
     WatchOption("spikes", False, _spikes,
                 "find a module's value far outside its own recent range (numguard.inspector.spikes: the "
-                "abs max of its outputs, of its gradients with backward=True, and the loss the root returns): "
+                "abs max of its outputs, with backward=True of its gradients and the parameter-gradient norms, and "
+                "the loss the root returns): "
                 "`\"warn\"` (or True) "
                 "gives a numguard.SpikeWarning, `\"raise\"` a numguard.SpikeError; False: off",
                 "NUMGUARD_SPIKES"),

@@ -134,6 +134,55 @@ def test_a_gradient_spike_is_named_with_backward_watching():
     assert spikes[0]["module"] in ("mid", "act", "inp")  # the gradient mid's backward produced, or upstream
 
 
+def _gradient_fault_spikes(model, optimizers, at, fault):
+    """Train `model` ARM + 8 steps with backward watching and spikes; at step `at`, `fault()` runs
+    after the backward and before the optimizers step. The spikes warned, and the inspector."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        insp = numguard.watch(model, report_to=None, backward=True, spikes=True)
+        for step in range(ARM + 8):
+            for opt in optimizers:
+                opt.zero_grad()
+            model(torch.randn(32, 8)).pow(2).mean().backward()
+            if step == at:
+                fault()
+            for opt in optimizers:
+                opt.step()
+        insp.close(check=False)
+    return [w.message.spike for w in caught if issubclass(w.category, numguard.SpikeWarning)], insp
+
+
+@pytest.mark.parametrize("factor, named", [(1e4, ("mid", "Linear", "weight.grad norm")),
+                                            (50.0, ("", "Net", "gradient norm"))])
+def test_a_fault_in_parameter_gradients_only_is_named_by_their_norms(factor, named):
+    # After backward, before the step, one parameter's gradient is scaled (a bad all_reduce, a
+    # corrupted bucket): no module's output or activation gradient moves (NOTE: [gradient norm
+    # spikes]). 1e4 is past the parameter's floor, so it is named; 50 is not (the floor is 100x),
+    # and the total norm (floor 10x; mid.weight holds most of it) names it.
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the fault must not change the weights
+    at = ARM + 5
+    warned, insp = _gradient_fault_spikes(model, [opt], at, lambda: model.mid.weight.grad.mul_(factor))
+    assert warned, "the gradient fault was not reported"
+    first = warned[0]
+    assert (first["module"], first["class"], first["quantity"], first["batch"]) == named + (at,), first
+    assert first["factor"] > (1000 if factor > 1e3 else 10) and len(warned) == 1
+    assert insp.spikes()[0] == first
+
+
+def test_gradient_norms_of_two_optimizers_are_watched_apart():
+    # Two optimizers over two parts of the model: each step's norms land in their parameters'
+    # rows, and a fault in the second optimizer's parameters is named there.
+    torch.manual_seed(0)
+    model = Net()
+    first = torch.optim.SGD(list(model.inp.parameters()) + list(model.mid.parameters()), lr=0.0)
+    second = torch.optim.SGD(model.out.parameters(), lr=0.0)
+    at = ARM + 4
+    warned, _ = _gradient_fault_spikes(model, [first, second], at, lambda: model.out.bias.grad.mul_(1e4))
+    assert warned and (warned[0]["module"], warned[0]["quantity"], warned[0]["batch"]) == ("out", "bias.grad norm", at)
+
+
 class Small(nn.Module):
     def __init__(self, dropout):
         super().__init__()

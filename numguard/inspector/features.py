@@ -30,6 +30,10 @@ class Feature:
     def check_read(self, status) -> None:
         """A check read the state (a checks.CheckStatus); called before a trip is handled."""
 
+    def parameter_gradients(self, labels, grads) -> None:
+        """backward=True recorded the parameter gradients an optimizer is about to apply (labels
+        ``<parameter name>.grad``); called before that step's check."""
+
     def frames_confirmed(self, ring, start: int, boundary: int) -> None:
         """A check found `ring.frames[start:boundary]` finite (nothing tripped)."""
 

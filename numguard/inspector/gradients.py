@@ -274,6 +274,8 @@ class BackwardWatcher(Feature):
             except Exception as exc:  # numguard's failure must not kill the job
                 self._give_up("recording the parameter gradients", exc)
                 return
+            for feature in self.inspector.features:
+                feature.parameter_gradients(labels, grads)
         self.steps_seen += 1
         self.recorded_since_check = False
         self._step_start = None

@@ -32,6 +32,19 @@ just before the root's own outputs, which hold the same loss: a loss spike is na
 the root, not as the root's output. A loss computed outside the model is not seen; return it
 from the forward (or watch a module that computes it) to have it watched.
 
+NOTE: [gradient norm spikes]
+With ``backward=True`` the parameter gradients an optimizer is about to apply are watched too:
+the 2-norm of each parameter's gradient (one multi-tensor launch, float32 accumulation, at the
+optimizer step), and the total norm over them (what gradient clipping computes), kept in device
+rows beside the loss's. A parameter's norm takes the gradients' floor: in a healthy 300-step run
+with dropout (tests/test_spikes.py) one jumped 23x its median (11.5 robust sigmas) while the
+total norm never moved more than 2.2x, so the total norm takes the outputs' 10x floor. A fault
+that changes only parameter gradients (a bad gradient all_reduce, a corrupted bucket) is named
+as "<parameter>.grad norm" of the module that holds the parameter, or as "gradient norm" of the
+root. In time they come after every module's gradient of their batch, the parameter's before the
+total, so a fault the backward carried into them is named where the backward saw it first. A
+sharded parameter's norm is this rank's shard's.
+
 The verdict rides on the one read per check: the first spike in time (the earliest batch; in it,
 the forwards' outputs in the order they returned, then the gradients in the backward's order) is
 written into free words of the ring's state buffer (SPIKE_WORDS) as a code of batch offset,
@@ -59,6 +72,7 @@ SPIKE_CODE, SPIKE_VALUE, SPIKE_BASELINE = 5, 6, 7
 SPIKE_WORDS = slice(SPIKE_CODE, SPIKE_BASELINE + 1)
 QUANTITIES = ("output abs max", "gradient abs max")
 LOSS = "loss"  # the quantity of the loss row (NOTE: [loss spikes])
+GRAD_NORM = "gradient norm"  # the total parameter-gradient norm (NOTE: [gradient norm spikes])
 assert GRAD_MAX > OUT_MAX  # the slice in after_fold takes exactly these two fields
 
 
@@ -68,18 +82,27 @@ class SpikeDetector:
     def __init__(self, mode):
         self.mode = mode          # "warn" or "raise"
         self.found = []           # every spike reported, as dicts (Inspector.spikes())
-        self.pending = None        # (first batch, modules) of the last fold's test, read next check
+        self.pending = None        # (first batch, rows) of the last fold's test, read next check
         self._last_tested = None   # the newest batch the last fold tested
-        self._rank_of_row = None   # device int64[M]: each module's place in execution order
-        self._floor = None         # device float64[2]: log of the outputs' and gradients' floors
-        self.loss = None           # device float64[window]: |loss| of each history slot (NaN: none)
+        self._order = None         # device int64[rows, 2]: each value's place in time within a batch
+        self._floor = None         # device float64[rows, 2]: log of each value's floor
+        # Device float64[1 + P, window, 2] of each history slot (NaN: none): row 0 holds |loss| and
+        # the total parameter-gradient norm, row 1 + p the norm of parameter p's gradient.
+        self.root_rows = None
+        self.parameters = []       # the labels ("<name>.grad") of rows 1.., in order
+        self._parameter_row = {}   # label -> row of root_rows
+        self._plans = {}           # tuple of labels -> _plan(...) of that list of parameters
         self.root = None           # the root's owner (the loss row names it)
+        self.watch_norms = True    # off after an internal error there
 
     @outside_inference_mode
-    def _execution_order(self, frames, modules, device):
-        """Each module's place in execution order, from the frames of one fold (the order their
-        forwards returned: a layer before the block and the model that contain it); modules with
-        no forward frame there come last. Computed once: a model runs its modules in one order."""
+    def _order_in_batch(self, frames, modules, device):
+        """Each value's distinct place in time within one batch, [rows, 2] (outputs, gradients),
+        and the per-batch stride: the forwards' outputs in the order they returned (from the frames
+        of one fold: a layer before the block and the model that contain it; the loss just before
+        the root's own outputs; modules with no forward frame there last), then the gradients in
+        the backward's order (the reverse), then the parameters' gradient norms, then the total.
+        Computed once per set of rows: a model runs its modules in one order."""
         rank = {}
         for f in frames:
             row = f.owner.index
@@ -88,21 +111,84 @@ class SpikeDetector:
                     rank[modules] = len(rank)
                 rank[row] = len(rank)
         rank.setdefault(modules, len(rank))
-        order = [rank.get(row, modules + 1 + row) for row in range(modules + 1)]
-        return host_to_device(torch.tensor(order, dtype=torch.int64), device)
+        span = 2 * modules + 2                 # every rank is below it
+        params = len(self.parameters)
+        order = [[rank.get(row, modules + 1 + row), 2 * span - 1 - rank.get(row, modules + 1 + row)]
+                 for row in range(modules)]
+        order.append([rank[modules], 2 * span + params])                 # the loss, the total norm
+        order += [[2 * span + params + 1 + p, 2 * span + p] for p in range(params)]  # (none), a norm
+        return host_to_device(torch.tensor(order, dtype=torch.int64), device), 2 * span + 2 * params + 1
+
+    def _floors(self, modules, device):
+        """log of each value's floor, [rows, 2] (NOTE: [spike rule], [gradient norm spikes])."""
+        out, grad = math.log(MIN_FACTOR), math.log(MIN_GRADIENT_FACTOR)
+        floors = [[out, grad]] * modules + [[out, out]] + [[out, grad]] * len(self.parameters)
+        return host_to_device(torch.tensor(floors, dtype=torch.float64), device)
+
+    def _root_rows(self, window, device):
+        rows = self.root_rows
+        if rows is None or rows.device != device or rows.shape[1] != window:
+            rows = self.root_rows = torch.full((1 + len(self.parameters), window, 2), math.nan,
+                                               dtype=torch.float64, device=device)
+            self._plans.clear()
+        return rows
 
     @outside_inference_mode
     def note_loss(self, output, slot, window, device):
         """Keep |loss| of the batch in history slot `slot` (NOTE: [loss spikes]): the root's
         output when it is a one-element floating tensor, else its ``.loss`` or ``["loss"]``; NaN
         when it has none. One device copy, no host read."""
-        if self.loss is None or self.loss.device != device or self.loss.numel() != window:
-            self.loss = torch.full((window,), math.nan, dtype=torch.float64, device=device)
+        rows = self._root_rows(window, device)
         loss = _loss_of(output)
         if loss is None:
-            self.loss[slot].fill_(math.nan)
-        else:
-            self.loss[slot].copy_(loss.detach().reshape(()).abs())
+            rows[:, slot].fill_(math.nan)   # and no gradient norms until a step gives them
+            return
+        if self.parameters:
+            rows[:, slot, 1].fill_(math.nan)
+        rows[0, slot, 0].copy_(loss.detach().reshape(()).abs())
+
+    @outside_inference_mode
+    def note_gradients(self, labels, grads, slot, window, device):
+        """Keep the 2-norm of each parameter gradient an optimizer is about to apply, and their
+        total, in history slot `slot` (NOTE: [gradient norm spikes]). Device ops only; what does
+        not change from step to step (the rows, which gradients count, their device) is worked out
+        once per list of parameters."""
+        key = tuple(labels)
+        plan = self._plans.get(key)
+        if plan is None or self.root_rows is None or self.root_rows.device != device:
+            plan = self._plans[key] = self._plan(labels, grads, window, device)
+        index, keep, on_device = plan
+        if index is None:
+            return
+        if keep is not None:
+            grads = [grads[i] for i in keep]
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)  # float32: fp16 norms overflow
+        norms = torch.stack(norms if on_device else [n.to(device, non_blocking=True) for n in norms])
+        column = self._root_rows(window, device)[:, slot, 1]
+        column.index_copy_(0, index, norms.to(torch.float64))
+        column[0].copy_(column[1:].square().nansum().sqrt())
+
+    def _plan(self, labels, grads, window, device):
+        """(device index of the gradients' rows, the positions of the gradients that count or None
+        for all, whether all are on `device`) for one list of parameters; new rows are added."""
+        keep = [i for i, g in enumerate(grads) if g.is_floating_point() and g.numel()]
+        fresh = [labels[i] for i in keep if labels[i] not in self._parameter_row]
+        if fresh:
+            for label in fresh:
+                self._parameter_row[label] = 1 + len(self.parameters)
+                self.parameters.append(label)
+            self._order = None
+            old = self.root_rows
+            self.root_rows = None
+            rows = self._root_rows(window, device)
+            if old is not None and old.device == device and old.shape[1] == window:
+                rows[:old.shape[0]].copy_(old)
+        self._root_rows(window, device)
+        if not keep:
+            return None, None, True
+        index = host_to_device(torch.tensor([self._parameter_row[labels[i]] for i in keep], dtype=torch.int64),
+                               device)
+        return index, None if len(keep) == len(grads) else keep, all(grads[i].device == device for i in keep)
 
     def after_fold(self, history, state_buf, frames=()):
         """Test every batch this fold brought in (`frames`: with check_every=N, or a backward whose
@@ -124,9 +210,13 @@ class SpikeDetector:
         tested = [b for b in range(lo, hi + 1) if b in present]
         if not tested or len(present) <= ARM:
             return
-        if self._rank_of_row is None or self._rank_of_row.device != table.device:
-            self._rank_of_row = self._execution_order(frames, table.shape[0], table.device)
         device = table.device
+        modules = table.shape[0]
+        rows = 1 + modules + len(self.parameters)
+        if self._order is None or self._order[0].device != device or self._order[0].shape[0] != rows:
+            self._order = self._order_in_batch(frames, modules, device)
+            self._floor = self._floors(modules, device)
+        order_in_batch, per_batch = self._order
         first_batch = tested[0]
         slots = torch.arange(window, device=device)
         offset = (slots - first_batch % window) % window        # [W]: each slot's batch - first_batch
@@ -138,10 +228,9 @@ class SpikeDetector:
             is_tested = host_to_device(mask, device)
         # A strided slice, not a list index (which would copy an index tensor from the host).
         values = table[:, :, OUT_MAX:GRAD_MAX + 1:GRAD_MAX - OUT_MAX]  # [M, W, 2]: outputs, gradients
-        # The loss row (row M, as an output; NOTE: [loss spikes]).
-        loss = self.loss if self.loss is not None and self.loss.device == device and \
-            self.loss.numel() == window else torch.full((window,), math.nan, dtype=torch.float64, device=device)
-        values = torch.cat([values, torch.stack([loss, torch.full_like(loss, math.nan)], dim=1).unsqueeze(0)])
+        # The root's rows: the loss and the gradient norms (NOTE: [loss spikes], [gradient norm
+        # spikes]).
+        values = torch.cat([values, self._root_rows(window, device)])
         # The baseline: the batches folded before (a mask, not a boolean index, which would wait
         # for the device).
         valid = (values > 0) & torch.isfinite(values)
@@ -151,9 +240,6 @@ class SpikeDetector:
         med = base_logs.nanmedian(dim=1).values                  # [M, 2] (NaN: no baseline)
         mad = (base_logs - med.unsqueeze(1)).abs().nanmedian(dim=1).values
         armed = base.sum(dim=1) >= ARM
-        if self._floor is None or self._floor.device != mad.device:
-            floor = torch.tensor([math.log(MIN_FACTOR), math.log(MIN_GRADIENT_FACTOR)], dtype=mad.dtype)
-            self._floor = host_to_device(floor, mad.device)
         margin = torch.maximum(K * MAD_TO_SIGMA * torch.nan_to_num(mad, nan=0.0), self._floor)
         is_tested = is_tested.view(1, -1, 1)
         if spanning and tested[0] == lo:
@@ -161,12 +247,8 @@ class SpikeDetector:
             is_tested = is_tested & ~((offset == 0).view(1, -1, 1) & outputs.view(1, 1, 2))
         spike = armed.unsqueeze(1) & is_tested & ((logs - med.unsqueeze(1)) > margin.unsqueeze(1))  # [M, W, 2]
         m = spike.shape[0]
-        # Order in time: batch by batch; within one, every forward output (in the order the
-        # forwards returned), then the gradients (the backward runs the modules in reverse).
-        # Ranks within a batch are below 4m + 1.
-        rank = self._rank_of_row.view(m, 1, 1)
-        per_batch = 4 * m + 1
-        order = offset.view(1, -1, 1) * per_batch + torch.cat([rank, 4 * m - rank], dim=2)
+        # Order in time: batch by batch; within one, as _order_in_batch gives it.
+        order = offset.view(1, -1, 1) * per_batch + order_in_batch.view(m, 1, 2)
         never = window * per_batch
         first_order = torch.where(spike, order, torch.full_like(order, never)).amin()
         hit = first_order < never
@@ -195,14 +277,24 @@ class SpikeDetector:
         offset, code = divmod(code - 1, 2 * m)
         row, field = divmod(code, 2)
         value, baseline = struct.unpack("<2d", struct.pack("<2q", *values[SPIKE_VALUE:SPIKE_BASELINE + 1]))
-        loss_row = row == m - 1
-        owner = self.root if loss_row else owners[row] if 0 <= row < len(owners) else None
+        owner, quantity = self._named(row, field, m - 1 - len(self.parameters), owners)
         spike = {"module": None if owner is None else owner.name, "class": None if owner is None else owner.cls,
-                 "quantity": LOSS if loss_row else QUANTITIES[field], "value": value, "baseline": baseline,
+                 "quantity": quantity, "value": value, "baseline": baseline,
                  "factor": value / baseline if baseline > 0 else math.inf, "batch": first_batch + offset,
                  "rank": rank}
         self.found.append(spike)
         return spike
+
+    def _named(self, row, field, modules, owners):
+        """The owner and quantity of value (row, field) of a fold's test."""
+        if 0 <= row < modules:
+            return owners[row] if row < len(owners) else None, QUANTITIES[field]
+        if row == modules:
+            return self.root, LOSS if field == 0 else GRAD_NORM
+        label = self.parameters[row - modules - 1]            # "<module>.<parameter>.grad"
+        module, _, parameter = label[:-len(".grad")].rpartition(".")
+        owner = next((o for o in owners if o.name == module), None)
+        return owner, f"{parameter}.grad norm"
 
 
 def _loss_of(output):

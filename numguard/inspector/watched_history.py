@@ -43,6 +43,19 @@ class HistoryFeature(Feature):
             self.spikes.root = self.spikes.loss = None
         return None
 
+    def parameter_gradients(self, labels, grads):
+        insp = self.inspector
+        if self.spikes is None or self.history is None or not insp._batch.done or not self.spikes.watch_norms:
+            return
+        try:
+            history = self.history
+            self.spikes.note_gradients(labels, grads, (insp._batch.done - 1) % history.window, history.window,
+                                       history.table.device)
+        except Exception as exc:  # the norms are lost, never the job
+            insp._warn_once(("spikes", "norms"), f"numguard: gradient norm spikes are not watched after an "
+                                                 f"internal error ({type(exc).__name__}: {exc})")
+            self.spikes.watch_norms = False
+
     def device_moved(self, device):
         if self.history is not None:
             self.history.move_to(device)
