@@ -39,6 +39,7 @@ import torch
 from .. import process as _process
 from ..errors import Attribution
 from . import replay as _replay
+from . import spikes as _spikes
 from .features import Feature
 
 try:
@@ -211,10 +212,11 @@ class RootRerun(Feature):
                 and insp._batch.done == batch + 1)
 
     def rerun_spike(self, spike, module):
-        """Rerun the batch of an output spike (a dict of numguard.inspector.spikes) and judge it by
-        the spiked module's output abs max in the rerun: at or above the geometric middle of the
-        spike and its baseline, the spike repeats ("reproducible"); below it, "transient"."""
-        if spike.get("quantity") != "output abs max" or module is None:
+        """Rerun the batch of an output or loss spike (a dict of numguard.inspector.spikes) and
+        judge it by the spiked module's output abs max (the root's |loss|) in the rerun: at or above
+        the geometric middle of the spike and its baseline, the spike repeats ("reproducible");
+        below it, "transient". Gradient spikes are not rerun (a forward does not give them)."""
+        if spike.get("quantity") not in ("output abs max", _spikes.LOSS) or module is None:
             return None
         result = self.rerun(spike["batch"], watch_module=module, spike=spike)
         return self.attribution(result)
@@ -242,7 +244,8 @@ class RootRerun(Feature):
             result["reason"] = str(exc)
             return result
         try:
-            output, reproduced, watched, rerun_buffers = self._run(model, call, args, kwargs, watch_module)
+            output, reproduced, watched, rerun_buffers = self._run(
+                model, call, args, kwargs, watch_module, loss=spike is not None and spike["quantity"] == _spikes.LOSS)
         except Exception as exc:  # the rerun never hides the trip
             result["reason"] = f"the rerun raised {type(exc).__name__}: {exc}"
             return result
@@ -259,14 +262,15 @@ class RootRerun(Feature):
                 return result
             middle = (spike["value"] * max(spike["baseline"], 1e-300)) ** 0.5
             where = f"{spike['module'] or '(root module)'} ({spike['class']})"
+            what = "a loss" if spike["quantity"] == _spikes.LOSS else "an output abs max"
             if watched >= middle:
                 result.update(verdict="reproducible", module=spike["module"], **{"class": spike["class"]})
-                result["detail"] = (f"a rerun of batch {batch} gave {where} an output abs max of {watched:.3e} "
+                result["detail"] = (f"a rerun of batch {batch} gave {where} {what} of {watched:.3e} "
                                     f"again (spike {spike['value']:.3e}, baseline {spike['baseline']:.3e}): the "
                                     "spike comes from the data or the model; look at this batch")
             else:
                 result["verdict"] = "transient"
-                result["detail"] = (f"a rerun of batch {batch} gave {where} an output abs max of {watched:.3e} "
+                result["detail"] = (f"a rerun of batch {batch} gave {where} {what} of {watched:.3e} "
                                     f"(spike {spike['value']:.3e}, baseline {spike['baseline']:.3e}): the spike "
                                     "did not repeat, the first result was corrupted on the way")
             self.results.append(self.attribution(result))
@@ -308,10 +312,10 @@ class RootRerun(Feature):
         return Attribution(result["verdict"], _process.rank(default=None), socket.gethostname(), str(self.device),
                            result.get("batch"), result.get("detail", ""))
 
-    def _run(self, model, call, args, kwargs, watch_module):
+    def _run(self, model, call, args, kwargs, watch_module, loss=False):
         """One forward of `model` on the kept inputs, the inspector's hooks quiet; returns the
         output, (name, class) of the first module whose output was non-finite (or None), and the
-        abs max of `watch_module`'s output (or None)."""
+        abs max of `watch_module`'s output, or with `loss` the |loss| in it (or None)."""
         insp = self.inspector
         names = {id(o.ref()): (o.name, o.cls) for o in insp._owners if o.ref is not None and o.ref() is not None}
         flags = []          # (order, name, class, device bool: any non-finite)
@@ -324,7 +328,11 @@ class RootRerun(Feature):
             if floats:
                 bad = torch.stack([~torch.isfinite(x).all() for x in floats]).any()
                 flags.append((names[key], bad))
-                if module is watch_module:
+                if module is watch_module and loss:
+                    found = _spikes.loss_of(output)
+                    if found is not None:
+                        watched.append(found.detach().abs().double().reshape(()))
+                elif module is watch_module:
                     watched.append(torch.stack([x.abs().max().double() if x.numel() else
                                                 x.new_zeros((), dtype=torch.float64) for x in floats]).max())
             return None

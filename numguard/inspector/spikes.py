@@ -139,7 +139,7 @@ class SpikeDetector:
         output when it is a one-element floating tensor, else its ``.loss`` or ``["loss"]``; NaN
         when it has none. One device copy, no host read."""
         rows = self._root_rows(window, device)
-        loss = _loss_of(output)
+        loss = loss_of(output)
         if loss is None:
             rows[:, slot].fill_(math.nan)   # and no gradient norms until a step gives them
             return
@@ -297,7 +297,7 @@ class SpikeDetector:
         return owner, f"{parameter}.grad norm"
 
 
-def _loss_of(output):
+def loss_of(output):
     """The loss in a root's output: a one-element floating tensor, or the ``.loss`` /
     ``["loss"]`` of a model output (Transformers' ModelOutput, a dict); else None."""
     for value in (output, getattr(output, "loss", None),
