@@ -591,7 +591,8 @@ WATCH_OPTIONS = (
                 "or None for nowhere (default: sys.stdout at the time of printing)"),
     WatchOption("extras", True, _flag("extras"),
                 "also show what Transformers does not (keyword inputs, contents of dict / list / "
-                "dataclass outputs, deeper nesting) on lines of their own"),
+                "dataclass outputs, deeper nesting) on lines of their own, and check the running statistics "
+                "of normalization layers (numguard.inspector.norm_stats)"),
     WatchOption("scaler_skips", "count", _one_of("scaler_skips", ("count", "trip")),
                 "with backward=True, a step that torch.amp.GradScaler skips for inf/NaN gradients is "
                 "`\"count\"`ed (not a trip) or a `\"trip\"` (numguard.backward)"),

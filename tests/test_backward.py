@@ -184,6 +184,22 @@ def test_gradscaler_does_not_hide_a_forward_nan():
     assert error.module == "3" and error.batch_number == 2
 
 
+def test_an_evaluation_that_keeps_gradients_on_is_checked_when_it_returns():
+    # After training started the forward's check waits for the optimizer step (one read per
+    # step); a model in eval() mode takes no step, so its forward is checked at its return.
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with numguard.watch(model, **quiet(backward=True)):
+        for _ in range(2):
+            sgd_step(model, opt, torch.randn(3, 4))()
+        with torch.no_grad():
+            model[3].bias[0] = float("nan")
+        model.eval()
+        with pytest.raises(numguard.NonFiniteError) as info:
+            model(torch.randn(3, 4))   # gradients on, as many validation loops leave them
+        assert info.value.module == "3" and info.value.batch_number == 2
+
+
 def sgd_step(model, opt, x):
     def step():
         loss = model(x).pow(2).mean()
@@ -303,3 +319,32 @@ def test_an_explicit_check_is_never_deferred():
         model(x).sum().backward()  # grad enabled: the batch-end check waits for the step
         with pytest.raises(numguard.NonFiniteError):
             insp.check()
+
+
+def test_a_dict_output_is_labelled_the_same_way_in_its_forward_and_its_gradient_frames():
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return {"logits": h * 2, "pair": (h, h + 1)}
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.heads = Heads()
+
+        def forward(self, x):
+            out = self.heads(x)
+            return out["logits"].sum() + out["pair"][1].sum()
+
+    model = Model()
+    with numguard.watch(model, **quiet(backward=True)) as insp:
+        model(torch.randn(2, 4)).backward()
+        frames = [f for f in insp._ring.frames if f.owner.name == "heads"]
+    forward = {label for f in frames if f.section == "forward" for label in f.labels}
+    gradients = {label for f in frames if f.section == "backward" for label in f.labels}
+    assert {"output.logits", "output.pair[1]"} <= forward
+    assert gradients == {"grad_output.logits", "grad_output.pair[1]"}

@@ -316,6 +316,46 @@ def test_rerun_step_judges_a_fault_in_the_backward(persistent):
     insp.close(check=False)
 
 
+def test_rerun_step_restores_buffers_so_a_recovered_step_leaves_batchnorm_clean():
+    # A one-time NaN in the forward reaches BatchNorm's running statistics before the step's check
+    # finds it; the recovered step must leave them (and the batch count) as one clean step would.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    clean = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    clean.load_state_dict(model.state_dict())
+    glitch = {"left": 0}
+
+    def corrupt(mod, args, out):
+        if glitch["left"]:
+            glitch["left"] -= 1
+            out = out.clone()
+            out[0, 0] = float("nan")
+        return out
+    model[0].register_forward_hook(corrupt)
+    insp = numguard.watch(model, backward=True, report_to=None)
+
+    @numguard.rerun_step
+    def step(x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    xs = [torch.randn(8, 4) for _ in range(3)]
+    for i, x in enumerate(xs):
+        glitch["left"] = 1 if i == 2 else 0
+        if i < 2:
+            step(x)
+        else:
+            _, warned = _warnings_of(numguard.errors.NonFiniteWarning, lambda: step(x))
+            assert warned and warned[0].attribution.verdict == "transient"
+        clean(x).pow(2).mean().backward()
+    bn, want = model[1], clean[1]
+    assert torch.equal(bn.running_mean, want.running_mean) and torch.equal(bn.running_var, want.running_var)
+    assert int(bn.num_batches_tracked) == int(want.num_batches_tracked) == 3
+    assert [a.verdict for a in insp.attributions()] == ["transient"]
+    insp.close(check=False)
+
+
 def test_rerun_step_checks_its_argument_and_passes_other_errors():
     with pytest.raises(TypeError, match="not callable"):
         numguard.rerun_step(3)
@@ -325,3 +365,91 @@ def test_rerun_step_checks_its_argument_and_passes_other_errors():
         raise KeyError("x")
     with pytest.raises(KeyError):
         bad()
+
+
+def test_a_transient_fault_found_at_the_step_check_says_why_it_was_not_recovered():
+    # With backward=True the forward's check waits for the optimizer step: the backward has used
+    # the corrupted output by then, so the verdict says so and names the way to recover.
+    torch.manual_seed(0)
+    model = Net()
+    arm = _once_inf(model.inp)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    insp = numguard.watch(model, rerun=True, backward=True, report_to=None)
+    for step in range(3):
+        if step == 2:
+            arm()
+        opt.zero_grad()
+        model(torch.randn(32, 8)).pow(2).mean().backward()
+        if step < 2:
+            opt.step()
+    with pytest.raises(numguard.NonFiniteError) as info:
+        opt.step()
+    assert info.value.attribution.verdict == "transient"
+    assert "not recovered: with backward=True" in info.value.attribution.detail
+    assert "@numguard.rerun_step" in info.value.attribution.detail
+    insp.close(check=False)
+
+
+@pytest.mark.parametrize("write", ["copy_", "numpy"])
+def test_a_spike_in_a_reused_input_buffer_gets_no_verdict_and_says_why(write):
+    # Spikes are judged one check later; by then a reused input buffer holds the next batch. A
+    # write the version counter shows (copy_) and one it does not (numpy) are both named, never
+    # judged on the wrong values.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    insp = numguard.watch(model, spikes="warn", rerun=True, report_to=None)
+    buf = torch.empty(16, 8)
+    data = [torch.randn(16, 8) for _ in range(ARM + 10)]
+    data[ARM + 5] *= 1000
+
+    def run():
+        for x in data:
+            if write == "copy_":
+                buf.copy_(x)
+            else:
+                buf.numpy()[:] = x.numpy()
+            model(buf)
+    _, warned = _warnings_of(numguard.SpikeWarning, run)
+    insp.close(check=False)
+    assert warned and warned[0].spike["batch"] == ARM + 5
+    assert warned[0].attribution is None and insp.attributions() == []
+    why = "changed in place after the call" if write == "copy_" else "overwritten since the call"
+    assert "no rerun verdict: " in str(warned[0]) and why in str(warned[0])
+
+
+@pytest.mark.parametrize("cause, verdict", [("data", "reproducible"), ("glitch", "transient")])
+def test_a_loss_spike_is_rerun_and_judged_by_the_loss(cause, verdict):
+    # The loss of one batch is 1e4 times too large: from its inputs (the rerun repeats it) or
+    # from a one-time corruption inside the forward (the rerun does not).
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    state = {"glitch": False}
+
+    class WithLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x, scale=1.0):
+            loss = self.net(x).pow(2).mean() * scale
+            if state["glitch"]:
+                state["glitch"] = False
+                loss = loss * 1e4
+            return loss
+
+    model = WithLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    at = ARM + 5
+
+    def run():
+        for step in range(ARM + 10):
+            state["glitch"] = cause == "glitch" and step == at
+            loss = model(torch.randn(32, 8), scale=1e4 if cause == "data" and step == at else 1.0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    insp = numguard.watch(model, backward=True, spikes=True, rerun=True, report_to=None)
+    _, warned = _warnings_of(numguard.SpikeWarning, run)
+    insp.close(check=False)
+    assert warned and (warned[0].spike["quantity"], warned[0].spike["batch"]) == ("loss", at)
+    assert warned[0].attribution.verdict == verdict and "a loss of" in warned[0].attribution.detail

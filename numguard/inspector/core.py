@@ -31,6 +31,7 @@ from .hooks import BatchState, ModuleHooks, active
 from .options import STDOUT, WatchOptions
 from .operations import OperationRecorder
 from .replay import InputKeeper
+from .norm_stats import NormStatsWatch
 from .quant_watch import QuantWatch
 from .rerun import RootRerun
 from .ring import FrameRing
@@ -171,6 +172,7 @@ class Inspector(ModuleHooks):
         self._ops = None                  # ops=True (numguard.inspector.operations)
         self._keeper = None               # replay=True: each module's last inputs (numguard.inspector.replay)
         self._rerun = None                # rerun=True: the root's kept calls (numguard.inspector.rerun)
+        self.verdicts = []                # every rerun verdict (rerun=True, numguard.rerun_step), oldest first
         self._history = None              # history, advice and spikes (numguard.inspector.watched_history)
         self._quant = None                # quant=: the low-precision what-if (numguard.inspector.quant_watch)
         self._registered = []             # weak refs of the modules counted in _watched
@@ -182,13 +184,7 @@ class Inspector(ModuleHooks):
         self._reader = FlagReader(self._ring, opts.check, self._warned)
         self._reader.skipped_steps = lambda: getattr(self._backward_watch, "scaler_skipped_steps", 0)
         self._reporter = Reporter(self._ring, self._weights, opts, self._warned, self._reader)
-        self._graph = None                # frames recorded inside compiled graphs
-        try:
-            self._graph = self._reporter.graph = self._add(GraphRecorder(self, self._ring.device))
-        except Exception as exc:  # numguard's own failure must not kill the job
-            self._warn_once(("graph",), f"numguard: cannot record module frames inside compiled graphs "
-                                        f"({type(exc).__name__}: {exc}); a compiled model is checked at its "
-                                        "output and weights only")
+        self._graph = _add_graph_recorder(self)  # frames recorded inside compiled graphs, or None
         try:
             if opts.ops:
                 self._ops = self._add(OperationRecorder(self))
@@ -503,8 +499,8 @@ class Inspector(ModuleHooks):
         return self._history.to_dict()
 
     def attributions(self) -> list:
-        """Every rerun verdict so far (rerun=True), oldest first, as numguard.Attribution."""
-        return [] if self._rerun is None else list(self._rerun.results)
+        """Every rerun verdict (rerun=True, numguard.rerun_step), oldest first: numguard.Attribution."""
+        return list(self.verdicts)
 
     def spikes(self) -> list:
         """Every spike found so far (spikes=True), oldest first: dicts of module, class, quantity,
@@ -528,6 +524,18 @@ class Inspector(ModuleHooks):
                 f"as requested by abort_after_batch_num={self.abort_after_batch_num}")
 
 
+def _add_graph_recorder(insp):
+    """The recorder of module frames inside compiled graphs, added first (None if it cannot be)."""
+    try:
+        graph = insp._reporter.graph = insp._add(GraphRecorder(insp, insp._ring.device))
+        return graph
+    except Exception as exc:  # numguard's own failure must not kill the job
+        insp._warn_once(("graph",), f"numguard: cannot record module frames inside compiled graphs "
+                                    f"({type(exc).__name__}: {exc}); a compiled model is checked at its "
+                                    "output and weights only")
+        return None
+
+
 def _add_features(insp, model, opts):
     """The features that watch()'s options ask for, after the module hooks (numguard.inspector.
     features; a new feature is its module plus a line here)."""
@@ -535,6 +543,10 @@ def _add_features(insp, model, opts):
     if opts.backward:  # handed operation mode, to enter it for each backward
         insp._backward_watch = insp._add(_gradients.watch_gradients(insp, model, opts, insp._ops))
     insp._history = insp._add(HistoryFeature(insp, device, opts.spikes))
+    # NOTE: [running statistics]; with extras only: the drop-in keeps Transformers' rule (no buffers).
+    norms = NormStatsWatch(insp, model) if opts.extras else None
+    if norms is not None and norms.layers:
+        insp._add(norms)
     insp._quant = insp._add(QuantWatch(insp, opts.quant)) if opts.quant else None
     if opts.replay:
         insp._keeper = insp._add(InputKeeper(insp, device))

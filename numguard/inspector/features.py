@@ -6,8 +6,9 @@ ring's device) and added to ``Inspector.features``; a new one is a module with i
 line in ``core._add_features``. The features today: the history and spike detector
 (``watched_history.HistoryFeature``), replay's input keeper (``replay.InputKeeper``), the root's
 rerun (``rerun.RootRerun``), frames inside compiled graphs (``graph.GraphRecorder``), operation
-mode (``operations.OperationRecorder``), gradient watching (``gradients.BackwardWatcher``) and
-the low-precision what-if (``quant_watch.QuantWatch``).
+mode (``operations.OperationRecorder``), gradient watching (``gradients.BackwardWatcher``), the
+low-precision what-if (``quant_watch.QuantWatch``) and the normalization layers' running
+statistics (``norm_stats.NormStatsWatch``).
 
 A feature's own failure is its own: the methods below handle it (warn, switch the feature off)
 and never raise into the training step, except where the user asked for an error (SpikeError).

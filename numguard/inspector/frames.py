@@ -201,18 +201,20 @@ def tensor_label(labels, kinds, n):
     return None
 
 
-def _key_label(prefix, key):
+def key_label(prefix, key):
+    """The label of item `key` of a dict labelled `prefix` (``output.logits``, ``output['a b']``): the
+    one way every frame, forward or gradient, names a dict's items."""
     if isinstance(key, str) and key.isidentifier():
         return f"{prefix}.{key}"
     return f"{prefix}[{key!r}]"
 
 
-def _container_items(value, label):
+def container_items(value, label):
     """(label, item) pairs of a list, tuple, dict or dataclass instance; None for anything else."""
     if isinstance(value, (tuple, list)):
         return iter([(f"{label}[{i}]", v) for i, v in enumerate(value)])
     if isinstance(value, dict):
-        return iter([(_key_label(label, k), v) for k, v in list(value.items())])
+        return iter([(key_label(label, k), v) for k, v in list(value.items())])
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return iter([(f"{label}.{f.name}", getattr(value, f.name, None)) for f in dataclasses.fields(value)])
     return None
@@ -222,7 +224,7 @@ def _flatten_extra(value, label, xs, labels, kinds):
     """numguard-only lines for the contents of a container (list, tuple, dict, dataclass), depth
     first. Every tensor inside is recorded, however many and however deep (an explicit stack, not
     recursion); only a container that holds itself is not followed again, on a line saying so."""
-    items = _container_items(value, label)
+    items = container_items(value, label)
     if items is None:
         return
     # The containers on the path are the stack's (compared by identity: no id(), which a
@@ -244,7 +246,7 @@ def _flatten_extra(value, label, xs, labels, kinds):
             kinds.append(NONE | EXTRA)
         else:
             kinds.append(NOT_A_TENSOR | EXTRA)
-            inner = _container_items(v, lab)
+            inner = container_items(v, lab)
             if inner is not None and any(v is container for container, _ in stack):
                 labels.append(f"{lab} (holds itself: not followed again)")
                 continue

@@ -45,7 +45,7 @@ from .. import patches as _patches
 from ..errors import InspectorWarning
 from . import graph as _graph
 from .features import Feature
-from .frames import local_shard
+from .frames import container_items, local_shard
 
 __all__ = ["BackwardWatcher", "SCALER_SKIP_ACTIONS", "watch_gradients"]
 
@@ -87,17 +87,12 @@ class _GradTap:
 
 
 def _tensors(value, prefix):
-    """(label, tensor) for tensors in value: a tensor, or lists/tuples/dicts of them, any depth."""
+    """(label, tensor) for tensors in value: a tensor, or lists/tuples/dicts/dataclasses of them,
+    any depth, labelled as the forward frames label them (frames.container_items)."""
     if isinstance(value, torch.Tensor):
         return [(prefix, value)]
-    found = []
-    if isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            found.extend(_tensors(item, f"{prefix}[{i}]"))
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            found.extend(_tensors(item, f"{prefix}[{key}]"))
-    return found
+    items = container_items(value, prefix)
+    return [] if items is None else [found for label, item in items for found in _tensors(item, label)]
 
 
 class BackwardWatcher(Feature):
@@ -311,8 +306,12 @@ class BackwardWatcher(Feature):
         """Whether the inspector's batch-end check is left to the optimizer step (NOTE: [one read
         per step]): once this model is seen training, the step's check reads the same flag and
         covers the forward, the backward and the parameter gradients with one device->host read.
-        Forwards under no_grad (evaluation) are still checked at their end."""
-        return bool(self.steps_seen) and not self.closed and torch.is_grad_enabled()
+        Forwards under no_grad, and forwards of a model in eval() mode (an evaluation that did not
+        turn gradients off: no optimizer step will follow it), are still checked at their end."""
+        if not self.steps_seen or self.closed or not torch.is_grad_enabled():
+            return False
+        model = self._model_ref()
+        return model is None or model.training
 
     def close(self):
         """Remove every hook this watcher added (idempotent)."""

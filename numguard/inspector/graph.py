@@ -244,7 +244,7 @@ def _map_tensors(value, prefix, fn):
     if type(value) in (tuple, list):
         return type(value)(_map_tensors(item, f"{prefix}[{i}]", fn) for i, item in enumerate(value))
     if type(value) is dict:
-        return {key: _map_tensors(item, f"{prefix}[{key}]", fn) for key, item in value.items()}
+        return {key: _map_tensors(item, _frames.key_label(prefix, key), fn) for key, item in value.items()}
     return value
 
 

@@ -179,7 +179,7 @@ def _rebuild(kept, label):
         return x
     if kind is _Container:
         if kept.kind is dict:
-            return {k: _rebuild(v, _frames._key_label(label, k)) for k, v in kept.items.items()}
+            return {k: _rebuild(v, _frames.key_label(label, k)) for k, v in kept.items.items()}
         return kept.kind(_rebuild(v, f"{label}[{i}]") for i, v in enumerate(kept.items))
     return kept
 

@@ -16,13 +16,19 @@ at (on the device; read once after the rerun), and:
   or the model: the batch and the module are named). Telling a faulty device from the data needs a
   data-parallel peer to run the same inputs ("device" when the peer does not reproduce it); that
   exchange is not built yet, and the detail says that the peer was not asked.
-A rerun that cannot run (inputs changed in place or freed, a sharded model whose forward runs
-collectives, the rerun raising) gives no verdict and says why.
+A spike (an output's abs max, or the loss) is judged the same way by the spiked value in the
+rerun: back at or above the geometric middle of spike and baseline, "reproducible"; else
+"transient". A rerun that cannot run (inputs changed in place or freed, or overwritten in a way
+their version counters do not show: a device fingerprint of the inputs, 2-norms and sums, made at
+the call and compared at the rerun; a sharded model whose forward runs collectives; the rerun
+raising) gives no verdict and says why.
 
 Recovery (``recover=True``, the default with rerun): a transient fault found at the root's return
 (``check="sync"``, outside a multi-rank job: there the other ranks stop together) is recovered:
 the rerun's output, with its autograd graph, is returned in place of the corrupted one, the step
-goes on, and a NonFiniteWarning with the verdict says so.
+goes on, and a NonFiniteWarning with the verdict says so. A fault found later (at the optimizer
+step with backward=True, with check="async" or check_every > 1) is not recovered, and the verdict
+says why.
 
 Memory: the kept references hold the inputs of the batches not yet checked (at most
 ``check_every + 1``, one more with spikes) until their check; a DDP-wrapped model is rerun through
@@ -53,7 +59,7 @@ _Tensor = torch.Tensor
 class _Call:
     """A root call kept for a rerun: its inputs (replay's kept values), the generators' states."""
     __slots__ = ("batch", "args", "kwargs", "grad", "cpu_rng", "device_rng", "output", "versions",
-                 "before", "changed")
+                 "before", "changed", "fingerprint")
 
     def __init__(self, batch, args, kwargs, grad, cpu_rng, device_rng):
         self.batch, self.args, self.kwargs, self.grad = batch, args, kwargs, grad
@@ -62,6 +68,7 @@ class _Call:
         self.versions = ()   # (buffer, version counter) at the call
         self.before = {}     # id(buffer) -> its copy at the call, for the buffers forwards update
         self.changed = None  # ids of the buffers the call changed, once it returned
+        self.fingerprint = None  # _fingerprint of the inputs at the call
 
 
 def output_tensors(value, out):
@@ -78,6 +85,23 @@ def output_tensors(value, out):
         for name in value.__dataclass_fields__:
             output_tensors(getattr(value, name, None), out)
     return out
+
+
+def _fingerprint(values):
+    """A device summary of the tensors in a call's inputs (the 2-norms of the floating ones, the
+    sums of the others), to tell at a rerun whether they were overwritten in a way their version
+    counters do not show (a numpy, ``.data`` or DLPack write into a reused buffer). None when there
+    is nothing to summarize or it cannot be made (mixed devices, a tensor subclass)."""
+    try:
+        with torch.no_grad():
+            xs = [x.detach() for x in output_tensors(values, []) if type(x) is _Tensor
+                  and x.layout == torch.strided and x.numel() and not x.is_complex()]
+            floats = [x for x in xs if x.is_floating_point()]
+            parts = list(torch._foreach_norm(floats, 2, dtype=torch.float32)) if floats else []
+            parts += [x.sum(dtype=torch.int64) for x in xs if not x.is_floating_point()]
+            return torch.stack([p.double() for p in parts]) if parts else None
+    except Exception:  # noqa: BLE001 - no fingerprint: the version counters alone tell
+        return None
 
 
 def _bits(x):
@@ -114,7 +138,7 @@ class RootRerun(Feature):
         self.replacement = None                  # a recovered output, returned by the root's hook
         self.returning = None                    # the batch whose root call is returning now
         self.model_ref = inspector._model_ref
-        self.results = []                        # every verdict, as Attribution
+        self.results = inspector.verdicts        # every verdict, as Attribution
         self.updated = ()                        # buffers the last call changed (copied at each call)
         self.norms = []                          # the model's BatchNorm-like modules
 
@@ -148,6 +172,7 @@ class RootRerun(Feature):
                 if b is not None and id(b) not in self.updated]
             if copied:   # one multi-tensor launch per device and dtype, no wait
                 call.before = dict(zip(map(id, copied), torch._foreach_mul([b.detach() for b in copied], 1)))
+            call.fingerprint = _fingerprint([args, kwargs])
             self.calls[call.batch] = call
             while len(self.calls) > self.keep:
                 self.calls.popitem(last=False)
@@ -212,14 +237,15 @@ class RootRerun(Feature):
                 and insp._batch.done == batch + 1)
 
     def rerun_spike(self, spike, module):
-        """Rerun the batch of an output or loss spike (a dict of numguard.inspector.spikes) and
+        """(verdict as an Attribution or None, why there is none) of a rerun of the batch of an
+        output or loss spike (a dict of numguard.inspector.spikes) and
         judge it by the spiked module's output abs max (the root's |loss|) in the rerun: at or above
         the geometric middle of the spike and its baseline, the spike repeats ("reproducible");
         below it, "transient". Gradient spikes are not rerun (a forward does not give them)."""
         if spike.get("quantity") not in ("output abs max", _spikes.LOSS) or module is None:
-            return None
+            return None, ""
         result = self.rerun(spike["batch"], watch_module=module, spike=spike)
-        return self.attribution(result)
+        return self.attribution(result), result.get("reason", "")
 
     def rerun(self, batch, found_at_return=False, watch_module=None, spike=None) -> dict:
         """Rerun the root forward of `batch`; the report's "rerun" field (verdict, or why none).
@@ -243,6 +269,13 @@ class RootRerun(Feature):
         except _replay._NotReplayable as exc:
             result["reason"] = str(exc)
             return result
+        if call.fingerprint is not None:
+            now = _fingerprint([args, kwargs])
+            if now is None or not torch.equal(_bits(now), _bits(call.fingerprint)):  # one read, at a rerun only
+                result["reason"] = (f"the inputs of batch {batch} were overwritten since the call without their "
+                                    "version counters moving (a numpy, .data or DLPack write into a reused buffer), "
+                                    "so a rerun would not see what the model saw")
+                return result
         try:
             output, reproduced, watched, rerun_buffers = self._run(
                 model, call, args, kwargs, watch_module, loss=spike is not None and spike["quantity"] == _spikes.LOSS)
@@ -288,10 +321,8 @@ class RootRerun(Feature):
                         b.data.copy_(copy)
                 result["recovered"] = True
                 result["detail"] += "; the rerun's output was returned in place of the corrupted one"
-            elif found_at_return and self.recover and unrestored:
-                result["detail"] += (f"; not recovered: the corrupted forward changed {unrestored} buffer(s) "
-                                     "numguard held no copy of (the first batch's, or buffers a forward "
-                                     "had not changed before)")
+            elif self.recover:
+                result["detail"] += "; not recovered: " + self._why_not_recovered(found_at_return, unrestored)
         else:
             name, cls = reproduced
             result["verdict"] = "reproducible"
@@ -305,6 +336,21 @@ class RootRerun(Feature):
                                   "told apart yet")
         self.results.append(self.attribution(result))
         return result
+
+    def _why_not_recovered(self, found_at_return, unrestored) -> str:
+        opts = self.inspector.options
+        if found_at_return and unrestored:
+            return (f"the corrupted forward changed {unrestored} buffer(s) numguard held no copy of (the first "
+                    "batch's, or buffers a forward had not changed before)")
+        if found_at_return:
+            return "recovery is for one process (in a multi-rank job every rank must take the same output)"
+        if opts.backward:
+            return ("with backward=True a training forward is checked with its optimizer step, after the backward "
+                    "has used the corrupted output; decorate the step (forward and backward) with "
+                    "@numguard.rerun_step to recover it")
+        return (f"the fault was found after the batch had returned (check={opts.check!r}, "
+                f"check_every={opts.check_every}); a forward is recovered when it is checked at its return "
+                "(check='sync', check_every=1)")
 
     def attribution(self, result) -> Attribution | None:
         if not result.get("verdict"):

@@ -10,9 +10,11 @@ the backward).
 
     loss = step(batch); optimizer.step(); optimizer.zero_grad()
 
-At entry the step keeps the random generators' states (CPU and every initialized CUDA device) and
-the parameter gradients of every watched model (a copy only of the gradients that exist already:
-with gradient accumulation, one set of gradients; after zero_grad(set_to_none=True), nothing).
+At entry the step keeps the random generators' states (CPU and every initialized CUDA device), the
+buffers of every watched model (BatchNorm's running statistics and batch count: a corrupted
+forward must not leave them behind, nor a rerun count its batch twice) and their parameter
+gradients (a copy only of the gradients that exist already: with gradient accumulation, one set
+of gradients; after zero_grad(set_to_none=True), nothing).
 At its end every open Inspector is checked (one read each), so that a trip in the backward is
 found inside the step. When the step raises numguard.NonFiniteError, the gradients, generators and
 batch counters are put back and the step runs once more on the same arguments:
@@ -40,16 +42,17 @@ def _open_inspectors():
     return [insp for insp in list(_core._roots.values()) if not insp._batch.closed]
 
 
-def _parameters(inspectors):
+def _tensors(inspectors, of):
+    """The distinct tensors `of(model)` gives for every watched model."""
     seen, out = set(), []
     for insp in inspectors:
         model = insp.model
         if model is None:
             continue
-        for p in model.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
+        for t in of(model):
+            if id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
     return out
 
 
@@ -59,8 +62,9 @@ class _StepState:
     def __init__(self, inspectors):
         self.inspectors = inspectors
         self.batches = [(insp, insp._batch.done) for insp in inspectors]
-        self.params = _parameters(inspectors)
+        self.params = _tensors(inspectors, torch.nn.Module.parameters)
         self.grads = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
+        self.buffers = [(b, b.detach().clone()) for b in _tensors(inspectors, torch.nn.Module.buffers)]
         self.cpu_rng = torch.random.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and \
             torch.cuda.is_initialized() else None
@@ -74,6 +78,8 @@ class _StepState:
                     p.grad = g.clone()
                 else:
                     p.grad.copy_(g)
+            for b, copy in self.buffers:
+                b.copy_(copy)
         torch.random.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
@@ -118,15 +124,19 @@ def rerun_step(fn=None, *, recover: bool = True):
             except NonFiniteError as again:
                 first.attribution = Attribution(
                     "reproducible", *where,
-                    f"the step was run again on the same arguments (gradients and random state restored) and "
+                    f"the step was run again on the same arguments (gradients, buffers and random state restored) and "
                     f"tripped again in {again.module or '(root module)'} [{', '.join(again.labels)}]: look at "
                     "this batch's data and at that module; no data-parallel peer was asked to run it")
+                for insp in inspectors:
+                    insp.verdicts.append(first.attribution)
                 raise first from None
             first.attribution = Attribution(
                 "transient", *where,
-                "the step was run again on the same arguments (gradients and random state restored) and "
-                "gave finite values: the first run was corrupted on the way (a bit flip, a race)"
+                "the step was run again on the same arguments (gradients, buffers and random state restored) "
+                "and gave finite values: the first run was corrupted on the way (a bit flip, a race)"
                 + ("; its result was returned and training goes on" if recover else ""))
+            for insp in inspectors:
+                insp.verdicts.append(first.attribution)
             if not recover:
                 raise first from None
             warnings.warn(NonFiniteWarning(f"{first}; rerun verdict: {first.attribution}", first.attribution),

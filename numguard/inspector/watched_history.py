@@ -69,24 +69,26 @@ class HistoryFeature(Feature):
         insp._ring.state_buf[_spikes.SPIKE_WORDS].fill_(0)
         if spike is None:
             return
-        attribution = self._rerun(spike)
-        text = _spikes.message(spike) + (f"; rerun verdict: {attribution}" if attribution is not None else "")
+        attribution, why_none = self._rerun(spike)
+        text = _spikes.message(spike) + (f"; rerun verdict: {attribution}" if attribution is not None else
+                                         f"; no rerun verdict: {why_none}" if why_none else "")
         if self.spikes.mode == "raise":
             raise SpikeError(text, spike, attribution)
         warnings.warn(SpikeWarning(text, spike, attribution), stacklevel=2)
 
     def _rerun(self, spike):
-        """With rerun=True, the verdict of a rerun of the spiked batch (numguard.inspector.rerun)."""
+        """With rerun=True, (the verdict of a rerun of the spiked batch, why there is none)
+        (numguard.inspector.rerun)."""
         rerun = getattr(self.inspector, "_rerun", None)
         if rerun is None:
-            return None
+            return None, ""
         owner = next((o for o in self.inspector._owners if o.name == spike.get("module")), None)
         try:
             return rerun.rerun_spike(spike, owner.ref() if owner is not None and owner.ref is not None else None)
         except Exception as exc:  # the verdict is lost, never the spike
             self.inspector._warn_once(("rerun", "spike"), f"numguard: the rerun of a spike failed "
                                                           f"({type(exc).__name__}: {exc})")
-            return None
+            return None, ""
 
     def frames_confirmed(self, ring, start, boundary):
         if self.history is None:
