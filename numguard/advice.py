@@ -11,7 +11,11 @@ gradients. From it this module says, worst first:
 * the loss-scale range that keeps every non-zero gradient in float16's normal range;
 * which modules to keep in float32 / bfloat16 under autocast;
 * with watch(quant=FORMAT) (the history's "quant" table), which modules to keep in bf16 rather than
-  FORMAT: above Transformer Engine's AutoswitchGemm thresholds (5% underflow or 1e-4 MSE).
+  FORMAT: above Transformer Engine's AutoswitchGemm thresholds (5% underflow or 1e-4 MSE);
+* for a per-tensor float8 FORMAT, where delayed scaling would saturate: a batch whose abs max (of
+  a module's outputs, or of its gradients) is above the largest of the DELAYED_HISTORY batches
+  before it. Delayed scaling divides by that window's amax, so such a batch's largest values are
+  clamped at the format's max; current scaling (the what-if's) never is.
 
 Plain Python: a dump is advised on without torch.
 """
@@ -20,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .schema import DTYPES
+from .schema import DTYPES, QUANT_FORMATS
 
 __all__ = ["Advice", "ModuleAdvice", "advise", "AdviceError"]
 
@@ -40,6 +44,7 @@ _LN_FLOAT_MAX = 709.0
 QUANT_UNDERFLOW = 0.05    # fraction of non-zero elements that quantize to zero
 QUANT_MSE = 1e-4          # mean squared error of the round trip
 _QUANT_NUMBERS = ("underflow", "saturated", "mse")
+DELAYED_HISTORY = 16      # batches of amax history (torchao's delayed scaling default)
 
 
 class AdviceError(ValueError):
@@ -90,6 +95,8 @@ class Advice:
     quant_format: str | None = None   # watch(quant=...)'s format, None when the history has no what-if
     quant_rows: list = dataclasses.field(default_factory=list)  # its table, worst first
     keep_bf16: list = dataclasses.field(default_factory=list)   # (module, reason): keep in bf16, not the format
+    # DelayedOverflow rows, worst first: where delayed scaling of a per-tensor format would saturate
+    delayed_overflow: list = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         return render(self)
@@ -197,6 +204,40 @@ def _check_quant(quant):
                 _bad(f"quant.rows[{i}].{key}", "a number >= 0", row.get(key))
 
 
+@dataclasses.dataclass
+class DelayedOverflow:
+    """A module whose abs max rose above its last DELAYED_HISTORY batches' in some batches: delayed
+    scaling (scale = format max / that window's amax) would have clamped them there."""
+    module: str
+    quantity: str        # "output" or "gradient"
+    batches: list        # the batches above their window
+    tested: int          # batches with a full window before them in the history
+    worst: float         # largest abs max / window amax among them
+
+
+def _delayed_overflow(history, quant_format) -> list:
+    """DelayedOverflow rows of a history, worst first ([] for block-scaled formats or none)."""
+    spec = QUANT_FORMATS.get(quant_format)
+    if spec is None or spec.block:
+        return []
+    batches = history["batches"]
+    out = []
+    for m in (m for m in history["modules"] if isinstance(m, dict)):
+        for key, quantity in (("out_abs_max", "output"), ("grad_abs_max", "gradient")):
+            series = m.get(key) if isinstance(m.get(key), list) else []
+            points = [(b, v) for b, v in zip(batches, series) if _is_value(v) and v > 0]
+            over, worst = [], 1.0
+            for i in range(DELAYED_HISTORY, len(points)):
+                window = max(v for _, v in points[i - DELAYED_HISTORY:i])
+                if points[i][1] > window:
+                    over.append(points[i][0])
+                    worst = max(worst, points[i][1] / window)
+            if over:
+                out.append(DelayedOverflow(str(m.get("name") or ""), quantity, over,
+                                           max(0, len(points) - DELAYED_HISTORY), worst))
+    return sorted(out, key=lambda r: -r.worst)
+
+
 def _keep_bf16(rows):
     """(module, reason) for each module a row puts above the AutoswitchGemm thresholds, worst first."""
     keep = {}
@@ -283,7 +324,8 @@ def advise(history: dict, loss_scale=None, loss_scale_source=None) -> Advice:
                   keep_wider=[r.name for r in rows if r.keep],
                   quant_format=quant["format"] if quant else None,
                   quant_rows=sorted(quant["rows"], key=lambda r: (-r["underflow"], -r["mse"])) if quant else [],
-                  keep_bf16=_keep_bf16(quant["rows"]) if quant else [])
+                  keep_bf16=_keep_bf16(quant["rows"]) if quant else [],
+                  delayed_overflow=_delayed_overflow(history, quant["format"]) if quant else [])
 
 
 def _risk(r):
@@ -398,4 +440,22 @@ def render_quant(advice: Advice, limit: int = 20) -> list:
             f"{name or '(root)'} ({why})" for name, why in advice.keep_bf16))
     else:
         lines.append(f"numguard: every watched module stays within {thresholds} as {fmt}")
+    spec = QUANT_FORMATS.get(fmt)
+    if spec is not None and not spec.block:
+        lines.extend(_render_delayed(advice.delayed_overflow, fmt, limit, len(advice.batches)))
+    return lines
+
+
+def _render_delayed(rows, fmt, limit, batches):
+    head = f"numguard: with delayed scaling ({DELAYED_HISTORY} batches of amax history) as {fmt},"
+    if batches <= DELAYED_HISTORY:
+        return [f"{head} not judged: the history holds {batches} batches, a window and one more are needed"]
+    if not rows:
+        return [f"{head} no watched abs max rose above its window's: no batch would saturate"]
+    lines = [f"{head} these batches' abs max rose above the window's amax, so their largest values "
+             "would be clamped at the format's max (current scaling, as measured above, is not):"]
+    for r in rows[:limit]:
+        shown = ", ".join(map(str, r.batches[:8])) + (", ..." if len(r.batches) > 8 else "")
+        lines.append(f"  {(r.module or '(root)')[:40]:40} {r.quantity:8} {len(r.batches)} of {r.tested} batches "
+                     f"(up to {r.worst:.2f}x the window's amax): {shown}")
     return lines

@@ -410,3 +410,37 @@ def test_a_failing_history_warns_once_and_training_goes_on(monkeypatch):
             result = insp.advice()
     assert sum("history stopped" in str(w.message) for w in caught) == 1
     assert result.modules == [] and insp.batches_finished == 3
+
+
+def _delayed_history(series, fmt):
+    batches = list(range(len(series)))
+    row = {"module": "a", "quantity": "output", "underflow": 0.0, "saturated": 0.0, "mse": 0.0, "batches": len(series)}
+    return {"window": 64, "batches": batches, "loss_scale": None, "loss_scale_source": "assumed",
+            "modules": [{"name": "a", "class": "Linear", "dtype": "torch.float32", "grad_dtype": None,
+                         "out_abs_max": series, "in_abs_max": [1.0] * len(series),
+                         "min_nonzero": [0.5] * len(series), "grad_abs_max": [None] * len(series),
+                         "grad_min_nonzero": [None] * len(series), "grad_subnormal_share": [None] * len(series)}],
+            "quant": {"format": fmt, "rows": [row]}}
+
+
+def test_delayed_scaling_saturation_is_named_at_the_batches_above_their_window():
+    # Flat at 1, one batch at 4x and one at 2x: each is above the largest of the 16 batches before
+    # it (the second one too: the 4x is in its window only if it came within 16 batches).
+    series = [1.0] * 20 + [4.0] + [1.0] * 20 + [2.0]
+    result = _advice.advise(_delayed_history(series, "float8_e4m3fn"))
+    [row] = result.delayed_overflow
+    assert (row.module, row.quantity, row.batches, row.tested) == ("a", "output", [20, 41], len(series) - 16)
+    assert row.worst == 4.0
+    text = str(result)
+    assert "with delayed scaling (16 batches of amax history) as float8_e4m3fn" in text
+    assert "a                                        output   2 of 26 batches (up to 4.00x" in text
+
+
+def test_delayed_scaling_is_silent_on_a_flat_history_and_absent_for_block_formats():
+    flat = _advice.advise(_delayed_history([1.0] * 30, "float8_e5m2"))
+    assert flat.delayed_overflow == [] and "no batch would saturate" in str(flat)
+    spiky = [1.0] * 20 + [4.0]
+    block = _advice.advise(_delayed_history(spiky, "mxfp8_e4m3"))
+    assert block.delayed_overflow == [] and "delayed scaling" not in str(block)
+    short = _advice.advise(_delayed_history([1.0] * 10 + [4.0], "float8_e4m3fn"))
+    assert "not judged: the history holds 11 batches" in str(short)
