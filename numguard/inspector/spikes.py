@@ -156,6 +156,8 @@ class SpikeDetector:
         key = tuple(labels)
         plan = self._plans.get(key)
         if plan is None or self.root_rows is None or self.root_rows.device != device:
+            if len(self._plans) >= 64:   # lists that change every step (experts without gradients)
+                self._plans.clear()
             plan = self._plans[key] = self._plan(labels, grads, window, device)
         index, keep, on_device = plan
         if index is None:
