@@ -291,3 +291,27 @@ def test_the_option_and_its_variable():
     with pytest.raises(env.EnvironmentSettingError, match="NUMGUARD_SPIKES"):
         env.settings_from_env({"NUMGUARD_SPIKES": "yes"})
     assert math.isfinite(ARM) and ARM <= 16
+
+
+def test_a_spike_read_after_new_parameters_appear_keeps_its_name():
+    # The check that reads a spike can come after a new optimizer added gradient-norm rows: the
+    # loss spike found before them is still named as the loss.
+    torch.manual_seed(0)
+    model = WithLoss(Net(), torch.randn(4, 4))
+    first = torch.optim.SGD(list(model.net.inp.parameters()) + list(model.net.mid.parameters()), lr=0.0)
+    later = torch.optim.SGD(model.net.out.parameters(), lr=0.0)
+    at = ARM + 4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        insp = numguard.watch(model, report_to=None, backward=True, spikes=True)
+        for step in range(ARM + 8):
+            first.zero_grad()
+            later.zero_grad()
+            model(torch.randn(32, 8), scale=1e4 if step == at else 1.0).backward()
+            if step > at:
+                later.step()   # its parameters' rows appear between the fold and the read
+            first.step()
+        insp.close(check=False)
+    warned = [w.message.spike for w in caught if issubclass(w.category, numguard.SpikeWarning)]
+    assert warned and (warned[0]["module"], warned[0]["quantity"], warned[0]["batch"]) == ("", "loss", at), \
+        warned[:1]

@@ -527,8 +527,8 @@ class Inspector(ModuleHooks):
 def _add_graph_recorder(insp):
     """The recorder of module frames inside compiled graphs, added first (None if it cannot be)."""
     try:
-        graph = insp._reporter.graph = insp._add(GraphRecorder(insp, insp._ring.device))
-        return graph
+        insp._reporter.graph = insp._add(GraphRecorder(insp, insp._ring.device))
+        return insp._reporter.graph
     except Exception as exc:  # numguard's own failure must not kill the job
         insp._warn_once(("graph",), f"numguard: cannot record module frames inside compiled graphs "
                                     f"({type(exc).__name__}: {exc}); a compiled model is checked at its "

@@ -82,7 +82,7 @@ class SpikeDetector:
     def __init__(self, mode):
         self.mode = mode          # "warn" or "raise"
         self.found = []           # every spike reported, as dicts (Inspector.spikes())
-        self.pending = None        # (first batch, rows) of the last fold's test, read next check
+        self.pending = None        # (first batch, rows, modules) of the last fold's test, read next check
         self._last_tested = None   # the newest batch the last fold tested
         self._order = None         # device int64[rows, 2]: each value's place in time within a batch
         self._floor = None         # device float64[rows, 2]: log of each value's floor
@@ -268,18 +268,18 @@ class SpikeDetector:
         bits = torch.stack([value, baseline]).to(torch.float64).view(torch.int64)
         state_buf[SPIKE_CODE].copy_(word)
         state_buf[SPIKE_VALUE:SPIKE_BASELINE + 1].copy_(torch.where(hit & free, bits, state_buf[SPIKE_VALUE:]))
-        self.pending = (first_batch, m)
+        self.pending = (first_batch, m, modules)  # parameters may be added before the read
 
     def read(self, values, owners, rank):
         """The spike a check read (its state words `values`), as a dict, or None."""
         code = values[SPIKE_CODE] if len(values) > SPIKE_CODE else 0
         if not code or self.pending is None:
             return None
-        first_batch, m = self.pending
+        first_batch, m, modules = self.pending
         offset, code = divmod(code - 1, 2 * m)
         row, field = divmod(code, 2)
         value, baseline = struct.unpack("<2d", struct.pack("<2q", *values[SPIKE_VALUE:SPIKE_BASELINE + 1]))
-        owner, quantity = self._named(row, field, m - 1 - len(self.parameters), owners)
+        owner, quantity = self._named(row, field, modules, owners)
         spike = {"module": None if owner is None else owner.name, "class": None if owner is None else owner.cls,
                  "quantity": quantity, "value": value, "baseline": baseline,
                  "factor": value / baseline if baseline > 0 else math.inf, "batch": first_batch + offset,
