@@ -536,6 +536,24 @@ def _quant_text(text):
     raise _Invalid()
 
 
+MAX_GROUP_RANKS = 1 << 20  # a list of ranks longer than this is not a group of this job
+
+
+def _amax_group(value):
+    """None, a process group (anything with size() and rank(): torch.distributed's), or global ranks
+    (a tuple, sorted, without repeats)."""
+    if value is None:
+        return None
+    if callable(getattr(value, "size", None)) and callable(getattr(value, "rank", None)) \
+            and not isinstance(value, (str, bytes, collections.abc.Sequence)):
+        return value
+    if isinstance(value, (list, tuple, range)) and 0 < len(value) <= MAX_GROUP_RANKS and all(
+            isinstance(r, numbers.Integral) and not isinstance(r, bool) and 0 <= r <= MAX_BATCH_NUMBER for r in value):
+        return tuple(sorted(set(int(r) for r in value)))
+    raise OptionError("amax_group", value, "pass the process group the ranks reduce their fp8 amax over (e.g. the "
+                                           "tensor-parallel group), a list of its global ranks, or None")
+
+
 @dataclass(frozen=True)
 class WatchOption:
     """One watch() option, declared once: its name, default, check, meaning and variable. The
@@ -637,6 +655,11 @@ WATCH_OPTIONS = (
                 "names the modules to keep in bf16; one of `\"float8_e4m3fn\"`, `\"float8_e5m2\"`, "
                 "`\"mxfp8_e4m3\"`, `\"mxfp8_e5m2\"`, `\"nvfp4\"`; None: off", "NUMGUARD_QUANT",
                 QUANT_FORMAT_NAMES),
+    WatchOption("amax_group", None, _amax_group,
+                "with quant=, the ranks that must see the same amax for every watched tensor (the process group "
+                "the fp8 amax is reduced over: tensor parallel, or data parallel where the recipe reduces there; "
+                "each rank passes its own group, or a list of its global ranks): a rank whose amax differs from "
+                "its group's is named (numguard.distributed.amax; the Megatron-LM #442 failure); None: off"),
     WatchOption("rerun", False, _flag("rerun"),
                 "after a trip, run the batch's forward again on the same inputs and device "
                 "(numguard.inspector.rerun): the verdict, a numguard.Attribution on the error or warning "

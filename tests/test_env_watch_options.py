@@ -88,6 +88,15 @@ def _quant(v):
     return _choice(*env.QUANT_FORMAT_NAMES)(v)
 
 
+def _amax_group(v):
+    if v is None:
+        return None
+    if isinstance(v, (list, tuple, range)) and 0 < len(v) <= env.MAX_GROUP_RANKS and all(
+            _is_int(r) and 0 <= r <= env.MAX_BATCH_NUMBER for r in v):
+        return tuple(sorted(set(v)))
+    return ERROR
+
+
 def _report_to(v):
     if v is None or callable(getattr(v, "write", None)) or (callable(v) and not isinstance(v, (str, bytes))):
         return v
@@ -114,6 +123,7 @@ RULES = {
     "rerun": _flag,
     "recover": _flag,
     "quant": _quant,
+    "amax_group": _amax_group,
 }
 
 
