@@ -43,7 +43,8 @@ _LN_FLOAT_MAX = 709.0
 # Transformer Engine's AutoswitchGemm thresholds: a GEMM goes back to high precision above these.
 QUANT_UNDERFLOW = 0.05    # fraction of non-zero elements that quantize to zero
 QUANT_MSE = 1e-4          # mean squared error of the round trip
-_QUANT_NUMBERS = ("underflow", "saturated", "mse")
+_QUANT_FRACTIONS = ("underflow", "saturated")
+REAL_FORMATS = ("float8_e4m3fn", "float8_e5m2")   # the formats of a real cast's row (numguard.float8)
 DELAYED_HISTORY = 16      # batches of amax history (torchao's delayed scaling default)
 
 
@@ -94,6 +95,7 @@ class Advice:
     keep_wider: list                  # module names to keep in float32 / bfloat16 under autocast
     quant_format: str | None = None   # watch(quant=...)'s format, None when the history has no what-if
     quant_rows: list = dataclasses.field(default_factory=list)  # its table, worst first
+    quant_batches: list = dataclasses.field(default_factory=list)  # the batches of the rows' "series"
     keep_bf16: list = dataclasses.field(default_factory=list)   # (module, reason): keep in bf16, not the format
     # DelayedOverflow rows, worst first: where delayed scaling of a per-tensor format would saturate
     delayed_overflow: list = dataclasses.field(default_factory=list)
@@ -190,18 +192,40 @@ def _check(history):
 
 
 def _check_quant(quant):
+    """The "quant" table of a history: a known format, fractions in [0, 1], MSE a finite number
+    >= 0 (None for a real float8 cast's row, which names its own float8 format)."""
     if quant is None:
         return
     if not isinstance(quant, dict) or not isinstance(quant.get("format"), str) \
             or not isinstance(quant.get("rows"), list):
         _bad("quant", 'an object with a "format" string and a "rows" list', quant)
+    if quant["format"] not in QUANT_FORMATS:
+        _bad("quant.format", "one of " + ", ".join(QUANT_FORMATS), quant["format"])
     for i, row in enumerate(quant["rows"]):
+        where = f"quant.rows[{i}]"
         if not isinstance(row, dict) or not isinstance(row.get("module"), str) \
                 or not isinstance(row.get("quantity"), str):
-            _bad(f"quant.rows[{i}]", "an object with module and quantity strings", row)
-        for key in _QUANT_NUMBERS:
-            if not (_is_number(row.get(key)) and row[key] >= 0):
-                _bad(f"quant.rows[{i}].{key}", "a number >= 0", row.get(key))
+            _bad(where, "an object with module and quantity strings", row)
+        real = row.get("format")
+        if real is not None and real not in REAL_FORMATS:
+            _bad(f"{where}.format", "one of " + ", ".join(REAL_FORMATS) + " (a real float8 cast) or absent", real)
+        for key in _QUANT_FRACTIONS:
+            value = row.get(key)
+            if not (_is_number(value) and 0 <= value <= 1):  # also refuses NaN
+                _bad(f"{where}.{key}", "a fraction from 0 to 1", value)
+        mse = row.get("mse")
+        if not (_is_number(mse) and 0 <= mse < math.inf) and not (real is not None and mse is None):
+            _bad(f"{where}.mse", "a finite number >= 0" + (" or null" if real is not None else ""), mse)
+        series = row.get("series")
+        if series is None:
+            continue  # an older writer's row: totals only
+        batches = quant.get("batches")
+        if not isinstance(series, list) or not isinstance(batches, list) or len(series) != len(batches):
+            _bad(f"{where}.series", f"a list of {len(batches) if isinstance(batches, list) else 'quant.batches'} "
+                                    "fractions (one per batch of quant.batches)", series)
+        for j, v in enumerate(series):
+            if v is not None and not (_is_number(v) and 0 <= v <= 1):
+                _bad(f"{where}.series[{j}]", "a fraction from 0 to 1 or null", v)
 
 
 @dataclasses.dataclass
@@ -238,10 +262,17 @@ def _delayed_overflow(history, quant_format) -> list:
     return sorted(out, key=lambda r: -r.worst)
 
 
+def _worst_first(row):
+    """Sort key of the what-if rows: most underflow, then largest MSE (a real cast's is unknown)."""
+    return -row["underflow"], -(row["mse"] or 0.0)
+
+
 def _keep_bf16(rows):
     """(module, reason) for each module a row puts above the AutoswitchGemm thresholds, worst first."""
     keep = {}
     for row in rows:
+        if row.get("format") is not None:
+            continue  # a real cast: its zeros are not all underflow (NOTE: [real float8 casts])
         why = []
         if row["underflow"] > QUANT_UNDERFLOW:
             why.append(f"{row['quantity']} {row['underflow']:.1%} underflow")
@@ -323,7 +354,8 @@ def advise(history: dict, loss_scale=None, loss_scale_source=None) -> Advice:
                   loss_scale_source=loss_scale_source, scale_range=scale_range, scale_note=note,
                   keep_wider=[r.name for r in rows if r.keep],
                   quant_format=quant["format"] if quant else None,
-                  quant_rows=sorted(quant["rows"], key=lambda r: (-r["underflow"], -r["mse"])) if quant else [],
+                  quant_rows=sorted(quant["rows"], key=_worst_first) if quant else [],
+                  quant_batches=list(quant.get("batches") or []) if quant else [],
                   keep_bf16=_keep_bf16(quant["rows"]) if quant else [],
                   delayed_overflow=_delayed_overflow(history, quant["format"]) if quant else [])
 
@@ -429,10 +461,16 @@ def render_quant(advice: Advice, limit: int = 20) -> list:
     """The what-if lines of watch(quant=...): its table, worst first, and the modules to keep in bf16."""
     fmt = advice.quant_format
     lines = [f"numguard what-if: the watched tensors as {fmt} with current scaling:",
-             f"{'module':40} {'quantity':12} {'underflow':>9} {'saturated':>9} {'mse':>9} {'batches':>7}"]
+             f"{'module':40} {'quantity':16} {'underflow':>9} {'saturated':>9} {'mse':>9} {'batches':>7}"]
     for r in advice.quant_rows[:limit]:
-        lines.append(f"{(r['module'] or '(root)')[:40]:40} {r['quantity'][:12]:12} {r['underflow']:>9.2%} "
-                     f"{r['saturated']:>9.2%} {r['mse']:>9.2e} {r.get('batches', '-'):>7}")
+        mse = "-" if r["mse"] is None else f"{r['mse']:.2e}"
+        lines.append(f"{(r['module'] or '(root)')[:40]:40} {r['quantity'][:16]:16} {r['underflow']:>9.2%} "
+                     f"{r['saturated']:>9.2%} {mse:>9} {r.get('batches', '-'):>7}"
+                     + (f"  real {r['format']}" if r.get("format") else ""))
+    if any(r.get("format") for r in advice.quant_rows[:limit]):
+        lines.append("numguard: a real float8 row counts the data's zeros as underflow and its values at the format's "
+                     "max as saturated (upper bounds: a float8 tensor cannot tell a zero it was given from one the "
+                     "cast made); its MSE is unknown")
     thresholds = (f"Transformer Engine's AutoswitchGemm thresholds ({QUANT_UNDERFLOW:.0%} underflow or "
                   f"{QUANT_MSE:.0e} MSE)".replace("e-0", "e-"))
     if advice.keep_bf16:

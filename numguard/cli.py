@@ -2,7 +2,7 @@
 
     python -m numguard report FILE [--plot OUT.png]   render a dump (on_trip="dump") as text,
                                                       and optionally plot it
-    python -m numguard advise FILE [--plot OUT.png] [--all]
+    python -m numguard advise FILE [--plot OUT.png] [--quant-plot OUT.png] [--all]
                                                       precision advice from a dump's module history
     python -m numguard install-hook [--target DIR]    install the NUMGUARD=1 start-up hook into
                                                       site-packages (pip install does this already)
@@ -47,16 +47,16 @@ def _load_dump(command, path):
         raise _Failed(_fail(f"{command}: cannot read {path!r} ({exc.strerror or exc})")) from None
 
 
-def _plot(command, draw, what, out):
+def _plot(command, draw, what, out, flag="--plot"):
     """Draw `what` to `out` with `draw`; 0, or the exit status of a failure written to stderr."""
     from .plot import PlotUnavailableError
 
     try:
         draw(what, out)
     except PlotUnavailableError as exc:
-        return _fail(f"{command} --plot: {exc}")
+        return _fail(f"{command} {flag}: {exc}")
     except (OSError, ValueError) as exc:
-        return _fail(f"{command} --plot: cannot draw {out!r} ({type(exc).__name__}: {exc})")
+        return _fail(f"{command} {flag}: cannot draw {out!r} ({type(exc).__name__}: {exc})")
     sys.stdout.write(f"numguard: plot written to {out}\n")
     return 0
 
@@ -94,11 +94,16 @@ def _advise(args):
     except _advice.AdviceError as exc:
         return _fail(f"advise: {args.file!r}: {exc}")
     sys.stdout.write(_advice.render(result, limit=len(result.modules) if args.all else 20) + "\n")
+    status = 0
     if args.plot:
         from .plot import plot_advice
 
-        return _plot("advise", plot_advice, result, args.plot)
-    return 0
+        status = _plot("advise", plot_advice, result, args.plot)
+    if args.quant_plot and status == 0:
+        from .plot import plot_quant
+
+        status = _plot("advise", plot_quant, result, args.quant_plot, "--quant-plot")
+    return status
 
 
 def _default_site_packages():
@@ -179,6 +184,9 @@ def _parser():
     advise.add_argument("file", metavar="FILE", help="the JSON dump file")
     advise.add_argument("--plot", metavar="OUT.png",
                         help="also draw each module's dynamic range against float16's (needs matplotlib)")
+    advise.add_argument("--quant-plot", metavar="OUT.png",
+                        help="also draw watch(quant=...)'s underflow %% per module over batches as a heatmap "
+                             "(needs matplotlib)")
     advise.add_argument("--all", action="store_true", help="list every module (default: the worst 20)")
     advise.set_defaults(run=_advise)
     hook = commands.add_parser("install-hook",

@@ -449,7 +449,7 @@ def _flag(option):
 def _one_of(option, choices):
     def check(value):
         if not isinstance(value, str) or value not in choices:
-            raise OptionError(option, value, "use " + " or ".join(repr(c) for c in choices))
+            raise OptionError(option, value, "use " + " or ".join(repr(c) for c in choices) + " (any case)")
         return value
     return check
 
@@ -504,7 +504,7 @@ def _spikes(value):
         return "warn" if value else False
     if value in ("warn", "raise"):
         return value
-    raise OptionError("spikes", value, "use True (or \"warn\"), \"raise\" or False")
+    raise OptionError("spikes", value, "use True (or \"warn\"), \"raise\" or False (any case)")
 
 
 def _spikes_text(text):
@@ -517,7 +517,7 @@ def _spikes_text(text):
 
 # numguard.schema.QUANT_FORMATS' names (this module imports nothing of numguard; a test keeps them equal).
 QUANT_FORMAT_NAMES = ("float8_e4m3fn", "float8_e5m2", "mxfp8_e4m3", "mxfp8_e5m2", "nvfp4")
-_QUANT_ACCEPTED = "use one of " + ", ".join(repr(n) for n in QUANT_FORMAT_NAMES) + ", or None / False (off)"
+_QUANT_ACCEPTED = "use one of " + ", ".join(repr(n) for n in QUANT_FORMAT_NAMES) + " (any case), or None / False (off)"
 
 
 def _quant(value):
@@ -536,6 +536,24 @@ def _quant_text(text):
     raise _Invalid()
 
 
+MAX_GROUP_RANKS = 1 << 20  # a list of ranks longer than this is not a group of this job
+
+
+def _amax_group(value):
+    """None, a process group (anything with size() and rank(): torch.distributed's), or global ranks
+    (a tuple, sorted, without repeats)."""
+    if value is None:
+        return None
+    if callable(getattr(value, "size", None)) and callable(getattr(value, "rank", None)) \
+            and not isinstance(value, (str, bytes, collections.abc.Sequence)):
+        return value
+    if isinstance(value, (list, tuple, range)) and 0 < len(value) <= MAX_GROUP_RANKS and all(
+            isinstance(r, numbers.Integral) and not isinstance(r, bool) and 0 <= r <= MAX_BATCH_NUMBER for r in value):
+        return tuple(sorted(set(int(r) for r in value)))
+    raise OptionError("amax_group", value, "pass the process group the ranks reduce their fp8 amax over (e.g. the "
+                                           "tensor-parallel group), a list of its global ranks, or None")
+
+
 @dataclass(frozen=True)
 class WatchOption:
     """One watch() option, declared once: its name, default, check, meaning and variable. The
@@ -549,6 +567,9 @@ class WatchOption:
         check: value -> normalized value; raises OptionError naming the option.
         doc: what it does (markdown; one paragraph).
         variable: the ``NUMGUARD_*`` variable that sets it, or None.
+        keywords: the words it takes; a string that is one of them in another case
+            (``"SYNC"``, ``"Warn"``, ``"FLOAT8_E4M3FN"``) is taken as that word before ``check``
+            sees it, as its variable takes it.
     """
 
     name: str
@@ -556,6 +577,18 @@ class WatchOption:
     check: Callable[[Any], Any]
     doc: str
     variable: str = None
+    keywords: tuple = ()
+
+    def validate(self, value):
+        """check(value), a keyword in any case taken as the keyword."""
+        if self.keywords and isinstance(value, str) and value.lower() in self.keywords:
+            value = value.lower()
+        return self.check(value)
+
+
+def _keyword_option(name, default, keywords, doc, variable=None):
+    """The row of an option that takes one of `keywords` (in any case) and nothing else."""
+    return WatchOption(name, default, _one_of(name, keywords), doc, variable, keywords)
 
 
 WATCH_OPTIONS = (
@@ -570,14 +603,14 @@ WATCH_OPTIONS = (
                 "NUMGUARD_ABORT_AFTER"),
     WatchOption("backward", False, _flag("backward"),
                 "also watch gradients (numguard.backward)", "NUMGUARD_BACKWARD"),
-    WatchOption("check", "sync", _one_of("check", ("sync", "async")),
+    _keyword_option("check", "sync", ("sync", "async"),
                 "`\"sync\"` (read the trip flag at each checked batch end: one tiny device->host copy) "
                 "or `\"async\"` (copy it to pinned memory without waiting and read it at the next "
                 "check: healthy batches never wait; a trip is reported one check late)", "NUMGUARD_CHECK"),
     WatchOption("check_every", 1, _check_every,
                 "check every N-th batch (records are kept for the batches in between)",
                 "NUMGUARD_CHECK_EVERY"),
-    WatchOption("on_trip", "raise", _one_of("on_trip", ("raise", "warn", "dump")),
+    _keyword_option("on_trip", "raise", ("raise", "warn", "dump"),
                 "`\"raise\"` (numguard.NonFiniteError), `\"warn\"` (NonFiniteWarning, training goes "
                 "on) or `\"dump\"` (write a JSON report per rank into `dump_dir`, warn, go on)",
                 "NUMGUARD_ON_TRIP"),
@@ -593,7 +626,7 @@ WATCH_OPTIONS = (
                 "also show what Transformers does not (keyword inputs, contents of dict / list / "
                 "dataclass outputs, deeper nesting) on lines of their own, and check the running statistics "
                 "of normalization layers (numguard.inspector.norm_stats)"),
-    WatchOption("scaler_skips", "count", _one_of("scaler_skips", ("count", "trip")),
+    _keyword_option("scaler_skips", "count", ("count", "trip"),
                 "with backward=True, a step that torch.amp.GradScaler skips for inf/NaN gradients is "
                 "`\"count\"`ed (not a trip) or a `\"trip\"` (numguard.backward)"),
     WatchOption("ops", False, _flag("ops"),
@@ -614,13 +647,19 @@ WATCH_OPTIONS = (
                 "the loss the root returns): "
                 "`\"warn\"` (or True) "
                 "gives a numguard.SpikeWarning, `\"raise\"` a numguard.SpikeError; False: off",
-                "NUMGUARD_SPIKES"),
+                "NUMGUARD_SPIKES", ("warn", "raise")),
     WatchOption("quant", None, _quant,
                 "measure each module's outputs (and gradients with backward=True) as if cast to this "
                 "low-precision format with current scaling (numguard.inspector.quant_watch): "
                 "`insp.quant_table()` gives underflow, saturation and MSE per module, `insp.advice()` "
                 "names the modules to keep in bf16; one of `\"float8_e4m3fn\"`, `\"float8_e5m2\"`, "
-                "`\"mxfp8_e4m3\"`, `\"mxfp8_e5m2\"`, `\"nvfp4\"`; None: off", "NUMGUARD_QUANT"),
+                "`\"mxfp8_e4m3\"`, `\"mxfp8_e5m2\"`, `\"nvfp4\"`; None: off", "NUMGUARD_QUANT",
+                QUANT_FORMAT_NAMES),
+    WatchOption("amax_group", None, _amax_group,
+                "with quant=, the ranks that must see the same amax for every watched tensor (the process group "
+                "the fp8 amax is reduced over: tensor parallel, or data parallel where the recipe reduces there; "
+                "each rank passes its own group, or a list of its global ranks): a rank whose amax differs from "
+                "its group's is named (numguard.distributed.amax; the Megatron-LM #442 failure); None: off"),
     WatchOption("rerun", False, _flag("rerun"),
                 "after a trip, run the batch's forward again on the same inputs and device "
                 "(numguard.inspector.rerun): the verdict, a numguard.Attribution on the error or warning "
@@ -636,7 +675,7 @@ _OPTIONS = {o.name: o for o in WATCH_OPTIONS}
 #: watch()'s defaults, read-only (from :data:`WATCH_OPTIONS`).
 WATCH_DEFAULTS = types.MappingProxyType({o.name: o.default for o in WATCH_OPTIONS})
 #: option -> check(value) -> normalized value; raises OptionError (from :data:`WATCH_OPTIONS`).
-WATCH_VALIDATORS = types.MappingProxyType({o.name: o.check for o in WATCH_OPTIONS})
+WATCH_VALIDATORS = types.MappingProxyType({o.name: o.validate for o in WATCH_OPTIONS})
 
 
 def _shown(default):

@@ -6,7 +6,7 @@ drawn with the Agg backend (no display needed, pyplot's global state untouched).
 """
 import math
 
-__all__ = ["PlotUnavailableError", "frame_series", "plot_dump", "plot_advice"]
+__all__ = ["PlotUnavailableError", "frame_series", "plot_dump", "plot_advice", "plot_quant"]
 
 # finfo.max and finfo.tiny (smallest normal) per dtype name, so that a dump plots without torch.
 _DTYPE_LIMITS = {
@@ -72,7 +72,7 @@ def frame_series(dump):
     return series
 
 
-def _figure(width):
+def _figure(width, height=5.0):
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -80,7 +80,7 @@ def _figure(width):
         raise PlotUnavailableError(
             f"plotting needs matplotlib, which is not installed ({exc}): pip install matplotlib"
         ) from None
-    fig = Figure(figsize=(width, 5.0))
+    fig = Figure(figsize=(width, height))
     FigureCanvasAgg(fig)
     return fig
 
@@ -116,6 +116,47 @@ def plot_advice(advice, out_path, limit=40):
                  f"gradients at loss scale {advice.loss_scale:g}", fontsize=9)
     ax.grid(True, which="major", axis="y", alpha=0.3)
     ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(out_path, format="png", dpi=100)
+    return out_path
+
+
+def plot_quant(advice, out_path, limit=40):
+    """Draw watch(quant=...)'s per-batch underflow (numguard.advice.Advice's quant rows with their
+    series) to ``out_path`` (PNG): a heatmap, one row per module and quantity (worst first, `limit`
+    of them), one column per batch, the colour the % of non-zero elements that underflow to zero,
+    grey where that batch measured nothing; Transformer Engine's 5% AutoswitchGemm threshold is
+    marked on the colour bar. Returns ``out_path``."""
+    rows = [r for r in advice.quant_rows if r.get("series")][:limit]
+    batches = advice.quant_batches
+    if not rows or not batches:
+        raise ValueError("the history holds no per-batch quant= values to plot (watch(..., quant=FORMAT) "
+                         "writes them; older dumps have only the totals)")
+    import numpy as np
+    from matplotlib import colormaps
+
+    values = np.ma.masked_invalid(np.array([[np.nan if v is None else 100.0 * v for v in r["series"]]
+                                            for r in rows], dtype=float))
+    fig = _figure(max(6.0, min(20.0, 0.18 * len(batches) + 5.0)), max(3.0, min(16.0, 0.3 * len(rows) + 1.8)))
+    ax = fig.add_subplot(1, 1, 1)
+    cmap = colormaps["magma_r"].with_extremes(bad="#d9d9d9")
+    top = max(5.0, float(values.max()) if values.count() else 5.0)
+    image = ax.imshow(values, aspect="auto", cmap=cmap, vmin=0.0, vmax=top, interpolation="nearest")
+    bar = fig.colorbar(image, ax=ax, fraction=0.04, pad=0.02)
+    bar.set_label("underflow, % of non-zero elements", fontsize=8)
+    from .advice import QUANT_UNDERFLOW
+    bar.ax.axhline(100.0 * QUANT_UNDERFLOW, color="tab:cyan", lw=2)
+    bar.ax.text(1.6, 100.0 * QUANT_UNDERFLOW, f" {QUANT_UNDERFLOW:.0%}\n AutoswitchGemm", fontsize=6,
+                va="center", transform=bar.ax.get_yaxis_transform())
+    ax.set_yticks(list(range(len(rows))))
+    ax.set_yticklabels([f"{r['module'] or '(root)'} {r['quantity']}" + (f" ({r['format']})" if r.get("format") else "")
+                        for r in rows], fontsize=7)
+    step = max(1, len(batches) // 16)
+    ax.set_xticks(list(range(0, len(batches), step)))
+    ax.set_xticklabels([str(b) for b in batches[::step]], fontsize=7)
+    ax.set_xlabel("batch")
+    ax.set_title(f"numguard what-if: underflow as {advice.quant_format} (current scaling), per module and batch",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(out_path, format="png", dpi=100)
     return out_path

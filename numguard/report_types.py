@@ -341,19 +341,23 @@ class ModuleHistory(_JsonObject):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QuantRow(_JsonObject):
     """One row of watch(quant=...)'s what-if table: a module's quantity ("output", "grad_output"),
-    its underflow and saturated fractions of the non-zero elements, MSE, and batches measured."""
+    its underflow and saturated fractions of the non-zero elements, MSE, and batches measured. A
+    real float8 cast's row ("real output") names its `format`, and its MSE is null."""
     module: str = _field(STR, required=True)
     quantity: str = _field(STR, required=True)
     underflow: float = _field(NUMBER)
     saturated: float = _field(NUMBER)
-    mse: float = _field(NUMBER)
+    mse: Optional[float] = _field(NUMBER_OR_NULL)
     batches: int = _field(BATCH)
+    format: Optional[str] = _field(STR_OR_NULL)
+    series: list = _field(SERIES)   # its underflow fraction in each of the table's batches
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QuantTable(_JsonObject):
     """watch(quant=...)'s what-if: the format and its table, worst first (Inspector.quant_table())."""
     format: str = _field(STR, required=True)
+    batches: list = _field(ListOf(INT))   # the batches of the rows' series, oldest first
     rows: list = _field(ListOf(Part(QuantRow)))
 
 

@@ -145,6 +145,19 @@ def run_worker_file(path: str, scenario: str, world: int, timeout: float = 150) 
         return out
 
 
+def kept_messages(logger_name: str) -> list:
+    """A list that gets the message of every record logged to `logger_name` from now on."""
+    import logging
+
+    kept = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            kept.append(record.getMessage())
+    logging.getLogger(logger_name).addHandler(Keep())
+    return kept
+
+
 def finish_rank(result: dict) -> None:
     """The end of a :func:`run_worker_file` rank: write `result` to $NG_OUT, meet the other
     ranks, tear the process group down and leave at once."""

@@ -47,6 +47,53 @@ class Opaque(torch.Tensor):
         return torch.utils._pytree.tree_map_only(torch.Tensor, Opaque, out)
 
 
+class Float8Like(torch.Tensor):
+    """A float8 training tensor of torchao's shape: float8 `_data`, a float32 `_scale` and the
+    original dtype; it stands for `_data / _scale`. Operations run on those values (torchao runs
+    its matmuls in float8; what numguard reads is the same)."""
+
+    @staticmethod
+    def __new__(cls, data, scale, orig_dtype):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=orig_dtype, device=data.device,
+                                                   requires_grad=False)
+
+    def __init__(self, data, scale, orig_dtype):
+        self._data, self._scale, self._orig_dtype = data, scale, orig_dtype
+
+    def __tensor_flatten__(self):
+        return ["_data", "_scale"], {"orig_dtype": self._orig_dtype}
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return Float8Like(inner["_data"], inner["_scale"], meta["orig_dtype"])
+
+    def __repr__(self):
+        return f"Float8Like(data={self._data!r}, scale={self._scale!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):  # nn.Parameter
+            x = args[0]
+            return Float8Like(func(x._data), func(x._scale), x._orig_dtype)
+
+        def unwrap(x):
+            return (x._data.to(x._orig_dtype) / x._scale).to(x._orig_dtype) if isinstance(x, Float8Like) else x
+
+        args = torch.utils._pytree.tree_map(unwrap, args)
+        kwargs = torch.utils._pytree.tree_map(unwrap, kwargs or {})
+        return func(*args, **kwargs)
+
+
+def to_float8(x, dtype=torch.float8_e4m3fn, scale=None):
+    """x cast as torchao casts it: scale = max / amax (or `scale`), data = cast(clamp(x * scale))."""
+    fmax = torch.finfo(dtype).max
+    if scale is None:
+        scale = fmax / x.detach().abs().amax().clamp(min=1e-12).to(torch.float32)
+    scale = torch.as_tensor(scale, dtype=torch.float32)
+    data = (x.detach().to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype)
+    return Float8Like(data, scale, x.dtype)
+
+
 def two(x, bad):
     """A TwoTensor whose second part holds the NaN when `bad`."""
     b = x.clone()
@@ -72,7 +119,15 @@ def opaque(x, bad):
     return Opaque(y)
 
 
-MAKERS = {"two_tensor": two, "plain": plain, "opaque": opaque}
+def float8(x, bad):
+    """A Float8Like whose data holds the NaN when `bad` (the scale stays finite)."""
+    y = to_float8(x)
+    if bad:
+        y._data.view(-1)[0] = NAN
+    return y
+
+
+MAKERS = {"two_tensor": two, "plain": plain, "opaque": opaque, "float8": float8}
 
 
 class Wrap(nn.Module):
@@ -138,7 +193,7 @@ def main(case, where, backward, ops):
                 if bad:
                     with torch.no_grad():
                         inner = model.w.b if case == "two_tensor" else (
-                            model.w.elem if case == "opaque" else model.w)
+                            model.w.elem if case == "opaque" else model.w._data if case == "float8" else model.w)
                         inner.view(-1)[0] = NAN
             out = model(inp)
             if backward:

@@ -444,3 +444,37 @@ def test_delayed_scaling_is_silent_on_a_flat_history_and_absent_for_block_format
     assert block.delayed_overflow == [] and "delayed scaling" not in str(block)
     short = _advice.advise(_delayed_history([1.0] * 10 + [4.0], "float8_e4m3fn"))
     assert "not judged: the history holds 11 batches" in str(short)
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("underflow", 1.5, "quant.rows[0].underflow: expected a fraction from 0 to 1, got 1.5"),
+    ("underflow", -0.25, "quant.rows[0].underflow: expected a fraction from 0 to 1, got -0.25"),
+    ("saturated", float("nan"), "quant.rows[0].saturated: expected a fraction from 0 to 1, got nan"),
+    ("mse", float("inf"), "quant.rows[0].mse: expected a finite number >= 0, got inf"),
+    ("mse", None, "quant.rows[0].mse: expected a finite number >= 0, got None"),
+    ("format", "float7", "quant.rows[0].format: expected one of float8_e4m3fn, float8_e5m2"),
+    ("table format", "fp8", "quant.format: expected one of float8_e4m3fn"),
+])
+def test_advise_command_refuses_impossible_quant_values_naming_them(tmp_path, capsys, field, value, named):
+    history = _delayed_history([1.0] * 3, "float8_e4m3fn")
+    if field == "table format":
+        history["quant"]["format"] = value
+    else:
+        history["quant"]["rows"][0][field] = value
+    dump = {"format": "numguard-report", "version": 1, "batch_number": 0,
+            "frames": [{"name": "", "class": "M", "labels": [], "kinds": [], "records": []}], "history": history}
+    path = tmp_path / "quant.json"
+    path.write_text(json.dumps(dump))
+    assert cli.main(["advise", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err, err
+
+
+def test_a_real_float8_row_has_no_mse_and_is_not_advice_to_keep_bf16():
+    history = _delayed_history([1.0] * 3, "float8_e4m3fn")
+    history["quant"]["rows"] = [{"module": "cast", "quantity": "real output", "underflow": 0.5, "saturated": 0.01,
+                                 "mse": None, "batches": 3, "format": "float8_e5m2"}]
+    result = _advice.advise(history)
+    assert result.keep_bf16 == []
+    text = str(result)
+    assert "real output" in text and "real float8_e5m2" in text and "MSE is unknown" in text

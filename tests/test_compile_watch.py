@@ -141,3 +141,47 @@ def test_replay_breaks_no_graph_of_a_model_compiled_after_watch():
         explanation = torch._dynamo.explain(model)(x)
         assert insp.replay is True
     assert explanation.graph_break_count == 0, [r.reason for r in explanation.break_reasons]
+
+
+@pytest.mark.parametrize("when", ["compiled before watch", "compiled after watch"])
+def test_quant_and_spikes_under_compile_say_once_what_they_cannot_see(when):
+    import warnings
+
+    from numguard.errors import InspectorWarning
+
+    model = make_model()
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if when == "compiled before watch":
+            compiled = torch.compile(model, backend="eager")
+            insp = numguard.watch(compiled, report_to=None, quant="float8_e4m3fn", spikes=True)
+        else:
+            insp = numguard.watch(model, report_to=None, quant="float8_e4m3fn", spikes=True)
+            compiled = torch.compile(model, backend="eager")
+        with insp:
+            for _ in range(3):
+                compiled(x)
+            rows = {r["module"] for r in insp.quant_table()}
+    ours = [str(w.message) for w in caught if issubclass(w.category, InspectorWarning)]
+    quant = [m for m in ours if m.startswith("numguard: quant= under torch.compile")]
+    spikes = [m for m in ours if m.startswith("numguard: spikes= under torch.compile")]
+    assert len(quant) == 1 and len(spikes) == 1, ours  # once each, over three batches
+    assert "'0', '1', '2' run inside compiled graphs" in quant[0] and "no row in quant_table()" in quant[0]
+    assert "named at the compiled module's output" in spikes[0]
+    assert not rows & {"0", "1", "2"}  # what the warning says: no rows for them
+    if when == "compiled before watch":  # (after: the root's own hooks run outside the graph, by design)
+        assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+
+
+def test_quant_and_spikes_on_an_eager_model_say_nothing_of_compile():
+    import warnings
+
+    model = make_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with numguard.watch(model, report_to=None, quant="float8_e4m3fn", spikes=True) as insp:
+            for _ in range(3):
+                model(torch.randn(4, 8))
+            assert {"0", "1", "2"} <= {r["module"] for r in insp.quant_table()}
+    assert not [w for w in caught if "torch.compile" in str(w.message)]

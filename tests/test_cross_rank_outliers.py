@@ -16,7 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from dist_workers import finish_rank, run_worker_file  # noqa: E402
+from dist_workers import finish_rank, kept_messages, run_worker_file  # noqa: E402
 
 TIMEOUT_S = 150
 STEPS = 8
@@ -148,12 +148,7 @@ def worker(scenario):
     import numguard.distributed as ngd
     from numguard.testing import SyncCounter
     rank, world = dist.get_rank(), dist.get_world_size()
-    logged = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            logged.append(record.getMessage())
-    logging.getLogger("numguard.distributed.numerics").addHandler(Keep())
+    logged = kept_messages("numguard.distributed.numerics")
     ddp = torch.nn.parallel.DistributedDataParallel(_model(torch))
     on_trip = "dump" if scenario == "dump" else "raise"
     insp = numguard.watch(ddp, backward=scenario != "async", on_trip=on_trip,

@@ -313,7 +313,7 @@ def test_every_option_is_declared_once_and_everything_derives_from_its_row():
     assert list(env.WATCH_DEFAULTS) == names == list(env.WATCH_VALIDATORS)
     assert [f.name for f in dataclasses.fields(WatchOptions)] == names
     for o in env.WATCH_OPTIONS:
-        assert env.WATCH_DEFAULTS[o.name] is o.default and env.WATCH_VALIDATORS[o.name] is o.check
+        assert env.WATCH_DEFAULTS[o.name] is o.default and env.WATCH_VALIDATORS[o.name] == o.validate
         assert f"        {o.name}: " in Inspector.__doc__
         if o.variable:  # the variable sets this option and defaults to the option's default
             var = env.variable(o.variable)

@@ -25,7 +25,8 @@ POOL = [None, True, False, 0, 1, -1, 2, 21, 1.0, 0.5, 1.5, -0.1, math.nan, math.
         b"12", bytearray(b"1"), [], [1, 3], [1.0], [True], [-1], ["1"], [2 ** 70], (0, 2), {4}, {1: 2},
         (b for b in [1]), {1: 2}.keys(), range(3), range(0, 10 ** 10), range(0, 10 ** 8, 3), range(-1, 3), BatchSet.parse("1-10"),
         object(), Writer(), io.StringIO(), print, list, pathlib.Path("/tmp/d"), pathlib.Path(""),
-        "/tmp/d", 1 + 0j, "nvfp4", "NVFP4"]
+        "/tmp/d", 1 + 0j, "nvfp4", "NVFP4", "Warn", "RAISE", "Dump", "ASYNC", "Trip", "FLOAT8_E4M3FN",
+        "sync ", "warnings"]
 
 
 def _is_int(v):
@@ -43,7 +44,8 @@ def _flag(v):
 
 
 def _choice(*choices):
-    return lambda v: v if isinstance(v, str) and v in choices else ERROR
+    """A keyword option: its words in any case, as the word."""
+    return lambda v: v.lower() if isinstance(v, str) and v.lower() in choices else ERROR
 
 
 def _batches(v):
@@ -77,13 +79,22 @@ def _dump_dir(v):
 def _spikes(v):
     if isinstance(v, bool) or (type(v) is int and v in (0, 1)):
         return "warn" if v else False
-    return v if isinstance(v, str) and v in ("warn", "raise") else ERROR
+    return _choice("warn", "raise")(v)
 
 
 def _quant(v):
     if v is None or v is False or (type(v) is int and v == 0):
         return None
-    return v if isinstance(v, str) and v in env.QUANT_FORMAT_NAMES else ERROR
+    return _choice(*env.QUANT_FORMAT_NAMES)(v)
+
+
+def _amax_group(v):
+    if v is None:
+        return None
+    if isinstance(v, (list, tuple, range)) and 0 < len(v) <= env.MAX_GROUP_RANKS and all(
+            _is_int(r) and 0 <= r <= env.MAX_BATCH_NUMBER for r in v):
+        return tuple(sorted(set(v)))
+    return ERROR
 
 
 def _report_to(v):
@@ -112,6 +123,7 @@ RULES = {
     "rerun": _flag,
     "recover": _flag,
     "quant": _quant,
+    "amax_group": _amax_group,
 }
 
 
@@ -147,12 +159,24 @@ def test_every_option_against_the_pool(option):
     ("headroom", math.nan, "up to, not including, 1"),
     ("report_to", "stdout", "sys.stderr"),
     ("dump_dir", b"/tmp", "os.PathLike"),
-    ("check", "SYNC", "'sync' or 'async'"),
+    ("check", "synch", "'sync' or 'async' (any case)"),
+    ("quant", "fp8", "'float8_e4m3fn'"),
 ])
 def test_errors_say_what_to_do(option, value, hint):
     with pytest.raises(OptionError) as info:
         env.validate_watch_options({option: value})
     assert hint in str(info.value) and f"{option}={value!r}" in str(info.value)
+
+
+def test_keyword_choices_are_taken_in_any_case_through_watch():
+    import numguard
+    model = _model()
+    with numguard.watch(model, check="SYNC", on_trip="Warn", quant="FLOAT8_E4M3FN", spikes="RAISE",
+                        scaler_skips="Trip", report_to=None) as insp:
+        assert (insp.options.check, insp.options.on_trip, insp.options.quant, insp.options.spikes,
+                insp.options.scaler_skips) == ("sync", "warn", "float8_e4m3fn", "raise", "trip")
+    every = {o.name for o in env.WATCH_OPTIONS if o.keywords}
+    assert every == {"check", "on_trip", "scaler_skips", "spikes", "quant"}  # one place says it
 
 
 def test_huge_values_do_not_flood_the_message():

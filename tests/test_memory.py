@@ -249,6 +249,24 @@ def test_global_batch_with_a_non_divisor_start_and_reduction_snaps_down():
     assert seen == [30, 15, 6, 3]      # 50 -> 30 (divisor of 60), int(30*.6)=18 -> 15, 9 -> 6, 3
 
 
+def test_a_prime_global_batch_warns_that_only_itself_and_one_divide_it():
+    seen = []
+
+    @numguard.find_executable_batch_size(starting_batch_size=128, global_batch_size=97)
+    def train(batch_size, accumulation_steps):
+        seen.append((batch_size, accumulation_steps))
+        if batch_size > 20:
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+        return batch_size * accumulation_steps
+
+    with pytest.warns(UserWarning, match=r"global_batch_size=97 leaves 97, a prime.*97 and 1.*e\.g\. 96 or 104"):
+        assert train() == 97
+    assert seen == [(97, 1), (1, 97)]
+    from numguard.memory.search import few_sizes_warning
+    assert few_sizes_warning(96, 1, 96) is None and few_sizes_warning(6, 2, 3) is None
+    assert "over 2 ranks (13 per rank)" in few_sizes_warning(26, 2, 13)
+
+
 def test_global_batch_passing_the_size_is_a_type_error():
     f = numguard.find_executable_batch_size(lambda b, a, x: b, global_batch_size=8)
     with pytest.raises(TypeError, match="Batch size was passed"):

@@ -236,3 +236,39 @@ def test_the_dump_carries_the_table_and_advise_reads_it(tmp_path):
     bad = dict(data["history"], quant={"format": "float8_e4m3fn", "rows": [dict(quant["rows"][0], mse="x")]})
     with pytest.raises(_advice.AdviceError, match=r"quant.rows\[0\].mse"):
         _advice.advise(bad)
+
+
+def test_each_batch_has_its_own_underflow_and_advise_draws_the_heatmap(tmp_path, capsys):
+    from numguard import cli
+
+    torch.manual_seed(0)
+    model = Underflows()
+    seen = _outputs_of(model.spike)
+    gains = [1.0, 1e-7, 1.0]   # the middle batch has no outlier: nothing underflows in it
+    with numguard.watch(model, report_to=None, quant="float8_e4m3fn", on_trip="dump",
+                        dump_dir=str(tmp_path)) as insp:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for gain in gains:
+                model.spike.forward = lambda x, g=gain: Outlier.forward(model.spike, x) * torch.cat(
+                    [x.new_full((1,), g), x.new_ones(x.shape[-1] - 1)])
+                model(torch.randn(8, 16))
+            model(torch.full((8, 16), float("nan")))
+    (path,) = glob.glob(os.path.join(str(tmp_path), "*.json"))
+    quant = dump.load(path)["history"]["quant"]
+    assert quant["batches"] == [0, 1, 2, 3]
+    row = next(r for r in quant["rows"] if (r["module"], r["quantity"]) == ("spike", "output"))
+    for batch, y in enumerate(seen[:3]):
+        total = _by_hand([y])
+        assert row["series"][batch] == (total[UNDER] / total[NONZERO]).item()
+    assert row["series"][0] > 0.5 and row["series"][1] == 0.0 and row["series"][3] is None  # all NaN
+    out = tmp_path / "quant.png"
+    capsys.readouterr()
+    assert cli.main(["advise", path, "--quant-plot", str(out)]) == 0
+    assert f"numguard: plot written to {out}" in capsys.readouterr().out
+    assert out.stat().st_size > 1000
+    bad = json.loads(open(path).read())
+    bad["history"]["quant"]["rows"][0]["series"] = [0.5]
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    assert cli.main(["advise", str(tmp_path / "bad.json")]) == 2
+    assert "quant.rows[0].series: expected a list of 4 fractions" in capsys.readouterr().err

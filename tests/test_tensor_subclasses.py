@@ -43,6 +43,17 @@ def test_a_nan_inside_a_readable_subclass_is_reported(backend, case, where, back
     assert got["reported"] == REPORTED_BY[where], got
 
 
+@pytest.mark.parametrize("ops", [False, True], ids=["modules", "ops"])
+@pytest.mark.parametrize("where", ["output", "input", "parameter"])
+def test_a_nan_in_the_data_of_a_float8_training_tensor_is_reported(backend, where, ops):
+    """tests/subclass_cases.Float8Like (torchao's float8 training tensor's shape: float8 _data and a
+    _scale), read through data / scale (numguard.float8)."""
+    got = run_case(backend, "float8", where, ops=ops)
+    assert got["healthy_silent"], got
+    assert got["warnings"] == [], got
+    assert got["reported"] == REPORTED_BY[where], got
+
+
 @pytest.mark.parametrize("where", ["output", "parameter"])
 def test_operation_mode_reads_subclasses_too(backend, where):
     got = run_case(backend, "two_tensor", where, ops=True)

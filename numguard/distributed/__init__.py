@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from . import channel, collectives, trip_exchange
 from ._env import dist_check_enabled
+from .amax import last_amax_mismatches
 from .channel import rank, world_size
 from .errors import (CrossRankWarning, DistributedOperationException, DistributedTimeoutError,
                      DistributedWarning, ReplicaDivergenceError)
@@ -54,6 +55,7 @@ __all__ = [
     "gather_trip_details",
     "get_logger",
     "guard_collectives",
+    "last_amax_mismatches",
     "last_exchange",
     "last_numbers",
     "last_outliers",

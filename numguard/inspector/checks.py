@@ -85,6 +85,9 @@ class FlagReader:
         self.pending = None           # (frames held, batch) when the async copy was issued
         self.numbers = None           # this rank's cross-rank numbers read by the last shared check
         self.skipped_steps = None     # callable: GradScaler-skipped steps so far (set by the inspector)
+        # quant= with amax_group: (the group's key, callable -> float64[1] on the device: the digest
+        # of the amax of every watched tensor since the last check); numguard.distributed.amax
+        self.amax = None
         self._tail = 0                # words of numbers at the end of the pending async copy
         # Step time (NOTE: [step time]): (host time, own wait) at the last exchange or root forward
         # end, at this forward's start and at its first child's start; busy seconds and root
@@ -187,7 +190,11 @@ class FlagReader:
         """numerics.FIELDS: the device numbers the previous shared check read (NaN before the
         first), the skipped-step count, and the host step time (NOTE: [step time]; NaN until
         known)."""
-        numbers = list(self.numbers) if self.numbers is not None else [float("nan")] * 4
+        nan = float("nan")
+        device = list(self.numbers) if self.numbers is not None else [nan] * 4
+        numbers = device[:4]
+        # numguard.distributed.amax.FIELDS: every rank sends them, NaN when it checks no amax
+        amax = [self.amax[0], device[4]] if self.amax is not None and len(device) > 4 else [nan, nan]
         skipped = 0
         if self.skipped_steps is not None:
             try:
@@ -197,15 +204,18 @@ class FlagReader:
         step = float("nan")
         if self._forwards and not self._local_work:
             step = self._busy / self._forwards
-        return numbers + [float(skipped), step]
+        return numbers + [float(skipped), step] + amax
 
     def _device_numbers(self):
-        """float64[4] on the ring's device, read with the state (no extra host read), or None
-        once it failed (warned once)."""
+        """float64[4] on the ring's device (and the amax digest with amax_group), read with the
+        state (no extra host read), or None once it failed (warned once)."""
         if "numbers" in self.warned:
             return None
         try:
-            return batch_numbers(self.ring)
+            numbers = batch_numbers(self.ring)
+            if self.amax is not None:
+                numbers = torch.cat([numbers, self.amax[1]().to(numbers.device)])
+            return numbers
         except Exception as exc:  # numguard's own failure: the check itself goes on
             self.warned.add("numbers")
             warnings.warn(f"numguard: the cross-rank numbers failed ({type(exc).__name__}: {exc}); "

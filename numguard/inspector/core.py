@@ -536,6 +536,20 @@ def _add_graph_recorder(insp):
         return None
 
 
+def _amax_key(opts):
+    """amax_group's key for the cross-rank amax check (numguard.distributed.amax), None when off."""
+    if opts.amax_group is None:
+        return None
+    if not opts.quant:
+        raise env.OptionError("amax_group", opts.amax_group, "pass quant=FORMAT too: the amax compared across "
+                                                             "ranks are those quant= measures")
+    from ..distributed import amax
+    try:
+        return amax.group_key(opts.amax_group)
+    except (ValueError, RuntimeError) as exc:
+        raise env.OptionError("amax_group", opts.amax_group, str(exc)) from None
+
+
 def _add_features(insp, model, opts):
     """The features that watch()'s options ask for, after the module hooks (numguard.inspector.
     features; a new feature is its module plus a line here)."""
@@ -547,7 +561,8 @@ def _add_features(insp, model, opts):
     norms = NormStatsWatch(insp, model) if opts.extras else None
     if norms is not None and norms.layers:
         insp._add(norms)
-    insp._quant = insp._add(QuantWatch(insp, opts.quant)) if opts.quant else None
+    amax_key = _amax_key(opts)
+    insp._quant = insp._add(QuantWatch(insp, opts.quant, amax_key)) if opts.quant else None
     if opts.replay:
         insp._keeper = insp._add(InputKeeper(insp, device))
         insp._keeper.install(insp._owners, insp._handles)

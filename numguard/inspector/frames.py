@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..float8 import float8_parts, float8_values
 from ..schema import LINE_EXTRA, LINE_KIND_MASK, LineKind
 
 # Line codes: a numguard.schema.LineKind, or-ed with LINE_EXTRA for a line Transformers does not
@@ -155,7 +156,9 @@ def plain_values(tensor):
     plain tensor (no copy, none of the subclass's overrides run). A wrapper subclass (TwoTensor,
     torchao's float8 and NF4 tensors: no storage, the data in inner tensors): the elements of its
     inner tensors (``__tensor_flatten__``, followed down), all in one flat tensor, so a NaN/Inf in
-    any part is seen. A wrapper without ``__tensor_flatten__``: None."""
+    any part is seen. A real float8 wrapper (float8 data and a scale: torchao's float8 training
+    tensor): the values it stands for, ``data / scale`` (numguard.float8.float8_values). A wrapper
+    without ``__tensor_flatten__``: None."""
     if type(tensor) in _PLAIN_TYPES:
         return tensor
     tensor = local_shard(tensor)
@@ -166,6 +169,9 @@ def plain_values(tensor):
             return tensor.as_subclass(torch.Tensor)
     flatten = getattr(type(tensor), "__tensor_flatten__", None)
     if flatten is not None:
+        parts = float8_parts(tensor)
+        if parts is not None:
+            return float8_values(parts)
         try:
             names, _ = flatten(tensor)
             inner = [getattr(tensor, name) for name in names]

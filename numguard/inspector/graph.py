@@ -74,6 +74,37 @@ def untraced_message(missing, limit=8):
             "or torch._dynamo.reset() before watch().")
 
 
+def modules_in_graphs(inspector) -> list:
+    """The watched modules that run inside compiled graphs (names as reports show them): those
+    whose hooks dynamo traced into a graph, and those inside a compiled module (torch.compile(m),
+    m.compile()). What a feature measuring eagerly in its own hooks cannot see."""
+    graph = getattr(inspector._reporter, "graph", None)
+    names = {slot.owner_name for slot in _slots if graph is not None and slot.recorder == graph.key}
+    all_names = [owner.name for owner in inspector._owners]
+    for owner in inspector._owners:
+        module = owner.ref() if owner.ref is not None else None
+        if module is not None and _compiled(module):
+            prefix = owner.name + "." if owner.name else ""
+            names.update(n for n in all_names if n.startswith(prefix) and n != owner.name)
+    order = {}
+    for n in all_names:  # the model's order, under the names reports show
+        order.setdefault(_shown_name(n), len(order))
+    shown = {_shown_name(n) for n in names} - {""}
+    return sorted(shown, key=lambda n: order.get(n, len(order)))
+
+
+def warn_graph_blind(inspector, feature, what, limit=6):
+    """Warn once (per feature) when watched modules run inside compiled graphs, where `feature`'s
+    own eager hooks do not run: `what` says what that costs. True when it warned."""
+    names = modules_in_graphs(inspector)
+    if not names:
+        return False
+    shown = ", ".join(repr(n) for n in names[:limit]) + (f", ... ({len(names)} modules)" if len(names) > limit else "")
+    inspector._warn_once((feature, "compiled"), f"numguard: {feature}= under torch.compile: {shown} run inside "
+                                                f"compiled graphs, {what}")
+    return True
+
+
 class Slot(NamedTuple):
     """What one traced module call records: the host metadata of its frame."""
     recorder: str        # GraphRecorder.key

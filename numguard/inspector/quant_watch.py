@@ -19,20 +19,32 @@ squared error); element and batch counts are host numbers the hook knows. Nothin
 until ``table()`` (``insp.quant_table()``, ``advice()``, the history of a dump). Records are
 summed per call, not per batch: holding a batch's activations to its end would cost their memory.
 
+A real float8 tensor among them (a float8 dtype, or a wrapper carrying float8 data and a scale,
+torchao's float8 training tensor; numguard.float8) is not a what-if: the cast was made. Its row
+is quantity "real output" / "real grad_output" with its own format, counted from the data as
+torchao's and Transformer Engine's fp8 statistics count it (NOTE: [real float8 casts]).
+
 numguard's own failure here warns once and stops this feature; the NaN/Inf watch goes on.
 """
 from __future__ import annotations
 
+import collections
 import weakref
+import zlib
 
 import torch
 
 from .. import quant as _quant
-from ..schema import QUANT_FORMATS, Q_NONFINITE, Q_NONZERO, Q_SATURATED, Q_SQ_ERROR, Q_UNDERFLOW
+from ..float8 import float8_parts, real_quant_stats
+from ..schema import QUANT_FORMATS, Q_AMAX, Q_NONFINITE, Q_NONZERO, Q_SATURATED, Q_SQ_ERROR, Q_UNDERFLOW
 from .features import Feature
+from .graph import warn_graph_blind
+from .history import WINDOW
+from .ring import host_to_device
 from .rerun import output_tensors
 
 OUTPUT, GRAD_OUTPUT = "output", "grad_output"
+REAL = "real "   # the quantity of a real float8 cast: "real output", "real grad_output"
 _SUMMED = Q_SQ_ERROR + 1   # the record's leading fields that add up across calls
 _is_compiling = torch.compiler.is_compiling
 
@@ -42,10 +54,11 @@ def _floating(output):
     return [t for t in output_tensors(output, []) if t.is_floating_point() and t.numel()]
 
 
-def current_scale(x, fmax):
+def current_scale(x, fmax, amax=None):
     """Transformer Engine's current per-tensor scale of `x` as a 0-dim float32 device tensor:
-    fmax / amax (1 when amax is 0 or not finite). `fmax`: the format's max as a 0-dim tensor."""
-    amax = x.detach().abs().amax().to(torch.float32)
+    fmax / amax (1 when amax is 0 or not finite). `fmax`: the format's max as a 0-dim tensor;
+    `amax`: x's abs max as a 0-dim float32 tensor, when known."""
+    amax = x.detach().abs().amax().to(torch.float32) if amax is None else amax
     good = torch.isfinite(amax) & (amax > 0)
     scale = torch.where(good, fmax / torch.where(good, amax, fmax), torch.ones_like(amax))
     # fmax / amax rounded up would push amax itself past fmax: one saturated element that only
@@ -55,10 +68,11 @@ def current_scale(x, fmax):
 
 class _Row:
     """One (module, quantity): where its sums are, and what the host counts."""
-    __slots__ = ("index", "module", "quantity", "elements", "batches", "last_batch")
+    __slots__ = ("index", "module", "quantity", "format", "elements", "batches", "last_batch")
 
-    def __init__(self, index, module, quantity):
+    def __init__(self, index, module, quantity, format=None):
         self.index, self.module, self.quantity = index, module, quantity
+        self.format = format   # a real cast's format (None: the what-if's)
         self.elements = 0
         self.batches = 0
         self.last_batch = -1
@@ -67,7 +81,7 @@ class _Row:
 class QuantWatch(Feature):
     """The quant= feature: its hooks go to the inspector's handles (removed at close())."""
 
-    def __init__(self, inspector, format):
+    def __init__(self, inspector, format, amax_key=None):
         self.inspector = inspector
         self.format = format
         self.spec = QUANT_FORMATS[format]
@@ -77,6 +91,16 @@ class QuantWatch(Feature):
         self.sums = {}       # device -> float64[capacity, _SUMMED]
         self._fmax = {}      # device -> the format's max, 0-dim float32
         self.seen = {}       # id(tensor) -> (weak ref, version, record): measured in this batch
+        # (last batch in, {device: float64[capacity, 2]}): the non-zero and underflow sums as they
+        # stood at each batch's start, for the per-batch series (one small device copy a batch)
+        self.snapshots = collections.deque(maxlen=WINDOW + 1)
+        self.graph_checked = False  # said once what torch.compile hides
+        # amax_group (NOTE: [amax digest]): each row's amax since the last check, per device, and
+        # the rows' hashes there (rebuilt when rows are added)
+        self.amax = {}
+        self.hashes = {}
+        if amax_key is not None:
+            inspector._reader.amax = (float(amax_key), self.amax_digest)
         self.backward = bool(inspector.options.backward)
         for owner in inspector._owners:
             module = owner.ref() if owner.ref is not None else None
@@ -91,7 +115,7 @@ class QuantWatch(Feature):
             try:
                 tensors = _floating(output)
                 if tensors:
-                    self._add(owner, OUTPUT, tensors)
+                    self._record(owner, OUTPUT, tensors)
                     if self.backward and torch.is_grad_enabled():
                         for t in tensors:
                             if t.requires_grad:
@@ -104,7 +128,7 @@ class QuantWatch(Feature):
         def quant_grad_hook(grad):
             if not self.off and grad is not None and grad.is_floating_point() and grad.numel():
                 try:
-                    self._add(owner, GRAD_OUTPUT, [grad])
+                    self._record(owner, GRAD_OUTPUT, [grad])
                 except Exception as exc:
                     self._stop(exc)
         return quant_grad_hook
@@ -119,16 +143,20 @@ class QuantWatch(Feature):
         fmax = self._fmax.get(device)
         if fmax is None:
             fmax = self._fmax[device] = torch.full((), self.spec.element_max, dtype=torch.float32, device=device)
-        scales = [current_scale(t, fmax) for t in tensors]
+        amaxes = [t.abs().amax().to(torch.float32) for t in tensors]
+        scales = [current_scale(t, fmax, a) for t, a in zip(tensors, amaxes)]
         scaled = [t.to(torch.float32) * s for t, s in zip(tensors, scales)]
         records = _quant.multi_tensor_quant_stats(scaled, self.format)
         records[:, Q_SQ_ERROR] /= torch.stack(scales).to(torch.float64).square().to(records.device)
+        # The tensors' own amax, not the scaled ones' (0 when not finite: that batch trips)
+        records[:, Q_AMAX] = torch.nan_to_num(torch.stack(amaxes).to(torch.float64), 0.0, 0.0, 0.0).to(records.device)
         return records
 
-    def _summed(self, tensors):
-        """The summed leading fields of the records of `tensors`. A tensor measured earlier in the
-        batch and unchanged since (the root returns its last child's output; a block returns
-        its last layer's) is not measured again: the kernel is the cost of this feature."""
+    def _records(self, tensors, measure=None):
+        """float64[len(tensors), _SUMMED]: the leading fields of the records of `tensors` (by
+        `measure`, default the what-if's). A tensor measured earlier in the batch and unchanged
+        since (the root returns its last child's output; a block returns its last layer's) is not
+        measured again: the kernel is the cost of this feature."""
         records, fresh = [], []
         for t in tensors:
             hit = self.seen.get(id(t))
@@ -137,17 +165,30 @@ class QuantWatch(Feature):
             else:
                 fresh.append(t)
         if fresh:
-            measured = self.measure(fresh)[:, :_SUMMED]
+            measured = (measure or self.measure)(fresh)[:, :_SUMMED]
             for t, record in zip(fresh, measured):
                 self.seen[id(t)] = (weakref.ref(t), t._version, record)
             records.extend(measured)
-        return records[0] if len(records) == 1 else torch.stack(records).sum(dim=0)
+        return records[0].unsqueeze(0) if len(records) == 1 else torch.stack(records)
 
-    def _add(self, owner, quantity, tensors):
-        record = self._summed(tensors)
+    def _record(self, owner, quantity, tensors):
+        """One call's tensors: the what-if of the wide ones, the real cast of the float8 ones."""
+        wide = []
+        for t in tensors:
+            parts = float8_parts(t)
+            if parts is None:
+                wide.append(t)
+            else:
+                records = self._records([t], lambda _: real_quant_stats(parts).unsqueeze(0))
+                self._add(owner, REAL + quantity, [t], records, parts.format)
+        if wide:
+            self._add(owner, quantity, wide, self._records(wide))
+
+    def _add(self, owner, quantity, tensors, records, format=None):
+        record = records[0] if records.shape[0] == 1 else records.sum(dim=0)
         row = self.rows.get((owner.index, quantity))
         if row is None:
-            row = self.rows[(owner.index, quantity)] = _Row(len(self.rows), owner.name, quantity)
+            row = self.rows[(owner.index, quantity)] = _Row(len(self.rows), owner.name, quantity, format)
         sums = self.sums.get(record.device)
         if sums is None or sums.shape[0] <= row.index:
             grown = torch.zeros((max(16, 2 * len(self.rows)), _SUMMED), dtype=torch.float64, device=record.device)
@@ -155,23 +196,81 @@ class QuantWatch(Feature):
                 grown[:sums.shape[0]] = sums
             sums = self.sums[record.device] = grown
         sums[row.index] += record
+        if self.inspector._reader.amax is not None:
+            self._note_amax(row, records[:, Q_AMAX].amax())
         row.elements += sum(t.numel() for t in tensors)
         if row.last_batch != self.batch:
             row.last_batch = self.batch
             row.batches += 1
 
+    # NOTE: [amax digest]
+    # With amax_group, each check sends one number per rank in the trip exchange's record (no new
+    # collective, no new host read: it is read with the check's state and sent one check late): a
+    # digest of the amax of every watched tensor since the last check, sum over rows of
+    # (amax's float64 bits >> 24) XOR (a hash of the row's module and quantity), 40 bits each.
+    # Integer sums are exact and do not depend on the order rows were first seen, so ranks that
+    # saw the same amax everywhere send the same integer (below 2^52: exact as a float64), and a
+    # rank with any other amax, or another set of rows, sends another one. The 24 bits dropped
+    # are zero for amax from float32, bfloat16 and float16 tensors. numguard.distributed.amax
+    # names the ranks of a group whose digest is not their group's.
+    def _note_amax(self, row, amax):
+        buf = self.amax.get(amax.device)
+        if buf is None or buf.shape[0] <= row.index:
+            grown = torch.zeros(max(16, 2 * len(self.rows)), dtype=torch.float64, device=amax.device)
+            if buf is not None:
+                grown[:buf.shape[0]] = buf
+            buf = self.amax[amax.device] = grown
+            self.hashes.pop(amax.device, None)
+        buf[row.index] = torch.maximum(buf[row.index], amax)
+
+    def amax_digest(self):
+        """float64[1] on the first device of the rows: the digest of the amax of every row since
+        the last check (NOTE: [amax digest]), which it starts again. Device ops only."""
+        total = None
+        for device, buf in self.amax.items():
+            known = self.hashes.get(device)
+            if known is None or known[0] != (len(self.rows), buf.shape[0]):
+                values = [0] * buf.shape[0]
+                for row in self.rows.values():
+                    if row.index < len(values):
+                        values[row.index] = zlib.crc32(f"{row.module}\0{row.quantity}".encode()) << 8
+                known = self.hashes[device] = ((len(self.rows), buf.shape[0]),
+                                               host_to_device(torch.tensor(values, dtype=torch.int64), device))
+            terms = torch.where(buf > 0, (buf.view(torch.int64) >> 24) ^ known[1], 0)
+            part = terms.sum().reshape(1)
+            total = part if total is None else total + part.to(total.device)
+            buf.zero_()
+        if total is None:
+            return torch.zeros(1, dtype=torch.float64, device=self.inspector._ring.device)
+        return total.to(torch.float64)
+
     def _stop(self, exc):
         self.off = True
+        self.inspector._reader.amax = None  # this rank sends no amax from now on (not a mismatch)
         self.inspector._warn_once(("quant",), f"numguard: the quant={self.format!r} what-if stopped after an "
                                               f"internal error ({type(exc).__name__}: {exc}); quant_table() "
                                               "keeps what it had, NaN/Inf are still watched")
 
     # -- the lifecycle -------------------------------------------------------------------------
     def begin_batch(self, batch):
+        if self.sums and not self.off:  # the gradients of the batch before are in by now
+            self.snapshots.append((batch - 1, self._counts()))
         self.batch = batch
         self.seen.clear()
 
+    def end_batch(self, batch):
+        if not self.graph_checked:
+            self.graph_checked = warn_graph_blind(
+                self.inspector, "quant", f"where its hooks do not run: they have no row in quant_table() (only a "
+                "compiled module's own output is measured, eagerly). Watch the model uncompiled for their what-if.")
+
+    def _counts(self):
+        return {device: sums[:, Q_NONZERO:Q_UNDERFLOW + 1].clone() for device, sums in self.sums.items()}
+
     def device_moved(self, device):
+        self.amax.clear()
+        self.hashes.clear()
+        self.snapshots.clear()
         self.seen.clear()
         self.rows.clear()
         self.sums.clear()
@@ -184,7 +283,8 @@ class QuantWatch(Feature):
     def table(self) -> list:
         """Rows {"module", "quantity", "underflow", "saturated", "mse", "batches"}, worst first
         (underflow, then MSE): underflow and saturated as fractions of the non-zero elements,
-        mse the squared error per finite element."""
+        mse the squared error per finite element. A real float8 cast's row also has "format",
+        and mse None (NOTE: [real float8 casts])."""
         host = {device: sums.cpu().tolist() for device, sums in self.sums.items()}
         out = []
         for row in self.rows.values():
@@ -193,17 +293,50 @@ class QuantWatch(Feature):
                 if row.index < len(values):
                     total = [a + b for a, b in zip(total, values[row.index])]
             nonzero, finite = total[Q_NONZERO], row.elements - total[Q_NONFINITE]
-            out.append({"module": row.module, "quantity": row.quantity,
-                        "underflow": total[Q_UNDERFLOW] / nonzero if nonzero else 0.0,
-                        "saturated": total[Q_SATURATED] / nonzero if nonzero else 0.0,
-                        "mse": total[Q_SQ_ERROR] / finite if finite else 0.0,
-                        "batches": row.batches})
-        out.sort(key=lambda r: (-r["underflow"], -r["mse"]))
+            entry = {"module": row.module, "quantity": row.quantity,
+                     "underflow": total[Q_UNDERFLOW] / nonzero if nonzero else 0.0,
+                     "saturated": total[Q_SATURATED] / nonzero if nonzero else 0.0,
+                     "mse": total[Q_SQ_ERROR] / finite if finite else 0.0,
+                     "batches": row.batches}
+            if row.format is not None:
+                entry["format"], entry["mse"] = row.format, None
+            out.append(entry)
+        out.sort(key=lambda r: (-r["underflow"], -(r["mse"] or 0.0)))
         return out
 
+    def series(self):
+        """(batches, {row index: [underflow fraction per batch, None where nothing non-zero was
+        measured]}) over the last WINDOW batches (one device->host copy per device)."""
+        snaps = list(self.snapshots) + [(self.batch, self._counts())]
+        if len(self.snapshots) < self.snapshots.maxlen:  # nothing dropped: counting started at 0
+            snaps.insert(0, (None, {}))
+        per_device = {}
+        for device in self.sums:
+            parts = [snap.get(device) for _, snap in snaps]
+            rows = max(p.shape[0] for p in parts if p is not None)
+            full = [torch.zeros((rows, 2), dtype=torch.float64, device=device) if p is None else
+                    torch.nn.functional.pad(p, (0, 0, 0, rows - p.shape[0])) for p in parts]
+            per_device[device] = torch.stack(full).cpu().tolist()   # [snapshot][row][nonzero, underflow]
+        out = {}
+        for row in self.rows.values():
+            fractions = []
+            for i in range(1, len(snaps)):
+                nonzero = under = 0.0
+                for table in per_device.values():
+                    if row.index < len(table[i]):
+                        nonzero += table[i][row.index][0] - table[i - 1][row.index][0]
+                        under += table[i][row.index][1] - table[i - 1][row.index][1]
+                fractions.append(under / nonzero if nonzero > 0 else None)
+            out[row.index] = fractions
+        return [b for b, _ in snaps[1:]], out
+
     def to_dict(self) -> dict:
-        """The "quant" field of the history (what advice reads): the format and the table."""
-        return {"format": self.format, "rows": self.table()}
+        """The "quant" field of the history (what advice reads): the format, the table and, per
+        row, its underflow fraction in each of the last batches (the heatmap's)."""
+        batches, series = self.series()
+        keys = {(row.module, row.quantity): row.index for row in self.rows.values()}
+        rows = [dict(entry, series=series[keys[(entry["module"], entry["quantity"])]]) for entry in self.table()]
+        return {"format": self.format, "batches": batches, "rows": rows}
 
 
 __all__ = ["QuantWatch", "current_scale", "OUTPUT", "GRAD_OUTPUT"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 
 import torch
 
@@ -15,7 +16,7 @@ from .oom import (_WHERE, BatchSizeNotFoundError, BatchSizeTimeoutError, _drop_f
                   is_out_of_memory, release_memory)
 from .ranks import (_ENDS, _ERROR, _FAILURES, _MARGIN, _OK, _OOM, _OOM_FINAL, _PEER, _START, _Exchange, _failures,
                     _peer_error)
-from .search import _Search, _agree_next, _validate, _whole
+from .search import _Search, _agree_next, _validate, _whole, few_sizes_warning
 
 
 class _Finder:
@@ -94,6 +95,9 @@ class _Finder:
                 raise OptionError("global_batch_size", self.global_batch,
                                   f"pass a multiple of the world size ({world})", where=_WHERE)
             per_rank = self.global_batch // world
+            few = few_sizes_warning(self.global_batch, world, per_rank)
+            if few is not None:
+                warnings.warn(few, UserWarning, stacklevel=2)
         search = _Search(self, per_rank)
         self.tried = search.tried   # this call's [(size, outcome)], for the caller to inspect
         size = search.snap(self.batch_size)

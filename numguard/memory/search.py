@@ -45,6 +45,21 @@ def _validate(starting, reduce_fn, minimum, reduction, search, margin, global_ba
         global_batch
 
 
+def few_sizes_warning(global_batch, world, per_rank):
+    """The warning for a per-rank total that is a prime above 3 (None otherwise): no batch size but
+    1 and the whole of it keeps ``batch_size * accumulation_steps * world == global_batch_size``,
+    so one failed try falls to batch size 1 with per_rank accumulation steps."""
+    if per_rank is None or per_rank <= 3 or any(per_rank % d == 0 for d in range(2, int(per_rank ** 0.5) + 1)):
+        return None
+    lower, upper = (per_rank // 8) * 8 * world, (per_rank // 8 + 1) * 8 * world
+    near = f"{lower} or {upper}" if lower else f"{upper}"
+    ranks = f" over {world} ranks ({per_rank} per rank)" if world > 1 else ""
+    return (f"numguard.find_executable_batch_size: global_batch_size={global_batch}{ranks} leaves {per_rank}, "
+            f"a prime, for each rank: the only batch sizes that keep the global batch are {per_rank} and 1, so "
+            f"one out-of-memory try falls to batch size 1 with {per_rank} accumulation steps. Pass a global "
+            f"batch size with more divisors (e.g. {near}).")
+
+
 # ------------------------------------------------------------------------------------------------
 # The search
 
