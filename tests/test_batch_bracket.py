@@ -132,3 +132,33 @@ def test_the_bracket_adds_no_host_sync(backend):
     assert counter.in_hooks == 0, counter.where
     assert counter.numguard == steps, counter.where  # the batch-end check's one read each
 
+
+def test_lightning_step_calling_submodules_and_a_nan_loss_outside_them():
+    pl = pytest.importorskip("pytorch_lightning")
+    from numguard.integrations.lightning import NumguardCallback
+
+    class Lit(pl.LightningModule):
+        def __init__(self, bad_step):
+            super().__init__()
+            self.net = Net()
+            self.bad_step = bad_step
+
+        def training_step(self, batch, batch_idx):
+            loss = self.net.head(self.net.encoder(batch)).pow(2).mean()  # the root's forward never runs
+            return loss * float("nan") if batch_idx == self.bad_step else loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    data = torch.utils.data.DataLoader(torch.randn(24, 4), batch_size=4)
+    for backward in (True, False):
+        model = Lit(bad_step=2)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[NumguardCallback(report_to=None, backward=backward)])
+        with pytest.raises(numguard.NonFiniteError) as info:
+            trainer.fit(model, data)
+        assert info.value.module == "" and info.value.batch_number == 2, (backward, str(info.value))
+        assert "(Lightning global_step=2)" in str(info.value)
+        assert trainer.global_step == 2  # stopped before the optimizer wrote the bad step
+        assert "training_step" not in model.__dict__ and "forward" not in model.__dict__
