@@ -1,15 +1,15 @@
 """Who watches a model: the start-up watcher of ``NUMGUARD=1`` watches every root module
 provisionally, and gives way to the inspector the script or a framework integration makes.
 
-The start-up watcher registers itself here; the Inspector and the integrations ask here, never
-the start-up module (so nothing imports ``numguard._startup``, the top of the import graph).
+The start-up watcher (numguard.auto_watch) registers itself here; the Inspector and the
+integrations ask here, never the watcher's module.
 Imports nothing: the start-up hook uses it before the script has imported anything.
 """
 from __future__ import annotations
 
 __all__ = ["give_way", "provisional", "set_provisional", "started_here"]
 
-_provisional = None  # the start-up watcher (numguard._startup.AutoWatcher), or None
+_provisional = None  # the start-up watcher (numguard.auto_watch.AutoWatcher), or None
 
 
 def set_provisional(watcher) -> None:

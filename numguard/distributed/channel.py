@@ -29,6 +29,7 @@ from torch.distributed import distributed_c10d as _c10d
 from .. import patches as _patches
 from .. import process as _process
 from ._env import dist_timeout
+from .arrivals import Arrivals
 from .errors import DistributedWarning
 from .rendezvous import Rendezvous
 
@@ -221,8 +222,10 @@ class _GroupState:
         except Exception:  # releasing must never fail the user's teardown
             pass
 
-    def arrival_key(self, global_rank: int) -> str:
-        return f"numguard/arrived/{self.name}/{global_rank}"
+    @property
+    def arrivals(self) -> Arrivals:
+        """Each rank's check number in the store (NOTE: [arrivals] in collectives.py)."""
+        return Arrivals(self.store, f"numguard/arrived/{self.name}", self.global_ranks)
 
     def gather_buffers(self, words: int):
         """(host_bytes, host_in, dev_in, host_out_bytes, host_out, dev_out) for an all_gather of

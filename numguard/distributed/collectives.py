@@ -14,6 +14,7 @@ Every numguard collective goes through :func:`timed_all_reduce` or :func:`timed_
 """
 from __future__ import annotations
 
+import struct
 import time
 
 import torch
@@ -32,7 +33,7 @@ def _post_arrival(st: _GroupState, seq: int | None = None) -> None:
     if st.store is None:
         return
     try:
-        st.store.set(st.arrival_key(st.global_ranks[st.rank]), str(st.seq if seq is None else seq))
+        st.arrivals.post(None, st.global_ranks[st.rank], st.seq if seq is None else seq)
     except Exception as exc:  # store gone: keep going, lose only the names of missing ranks
         _warn(f"numguard.distributed: cannot write to the process group's store ({exc}); "
               "a timeout will not be able to name the missing ranks.")
@@ -45,22 +46,10 @@ def _arrivals(st: _GroupState, grace_s: float = 0.25):
     before this rank gave up)."""
     if st.store is None:
         return None, None
-    deadline = time.monotonic() + grace_s
-    while True:
-        missing, ahead = [], []
-        for g in st.global_ranks:
-            key = st.arrival_key(g)
-            try:
-                seq = int(st.store.get(key)) if st.store.check([key]) else 0
-            except Exception:
-                return None, None
-            if seq < st.seq:
-                missing.append(g)
-            elif seq > st.seq:
-                ahead.append(g)
-        if not missing or time.monotonic() > deadline:
-            return missing, ahead
-        time.sleep(0.02)
+    try:
+        return st.arrivals.behind_and_ahead(None, st.seq, grace_s)
+    except Exception:
+        return None, None
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -72,7 +61,8 @@ def _timeout_error(st: _GroupState, what: str, site: str, timeout_s: float, caus
     _post_arrival(st)
     missing, ahead = _arrivals(st)
     me = st.global_ranks[st.rank]
-    if cause is None or _is_timeout(cause):
+    failure = None if cause is None or _is_timeout(cause) else cause
+    if failure is None:
         how = f"did not complete within {timeout_s:g} s (NUMGUARD_DIST_TIMEOUT or timeout=)."
     else:
         how = "failed."
@@ -105,7 +95,7 @@ def _timeout_error(st: _GroupState, what: str, site: str, timeout_s: float, caus
         "does not check, such as DDP's gradient all_reduce), crashed, or took another code path. "
         "numguard stops checking this process group; let the exception end the process."
     )
-    return DistributedTimeoutError("\n".join(lines), missing)
+    return DistributedTimeoutError("\n".join(lines), missing, backend_error=failure)
 
 
 # NOTE: [arrivals]
@@ -199,6 +189,19 @@ def timed_all_gather(st: _GroupState, words: int, what: str, site: str, timeout=
     return hout_b
 
 
+def timed_all_gather_bytes(st: _GroupState, data: bytes, what: str, site: str, timeout=None) -> list:
+    """Every rank's ``data`` (of any length), by rank: one all-gather of the lengths, then one of
+    the bytes padded to the longest (none when every rank sends nothing)."""
+    st.gather_buffers(1)[1][0] = len(data)
+    sizes = struct.unpack_from(f"={st.world}q", timed_all_gather(st, 1, what, site, timeout))
+    if not max(sizes):
+        return [b""] * st.world
+    words = (max(sizes) + 7) // 8
+    st.gather_buffers(words)[0][:] = data.ljust(words * 8, b"\0")
+    out = timed_all_gather(st, words, what, site, timeout)
+    return [bytes(out[r * words * 8:r * words * 8 + size]) for r, size in enumerate(sizes)]
+
+
 def _cpu_all_reduce(st: _GroupState, tensor: torch.Tensor, op, timeout_s: float):
     try:
         opts = _c10d.AllreduceOptions()
@@ -254,4 +257,4 @@ def wait_work(st: _GroupState, work, seq: int, what: str, site: str, timeout_s: 
             st.seq = cur
 
 
-__all__ = ["timed_all_gather", "timed_all_reduce", "wait_work", "waited_s"]
+__all__ = ["timed_all_gather", "timed_all_gather_bytes", "timed_all_reduce", "wait_work", "waited_s"]

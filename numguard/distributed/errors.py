@@ -10,11 +10,13 @@ class DistributedOperationException(Exception):
 
 class DistributedTimeoutError(DistributedOperationException, TimeoutError):
     """Some ranks did not arrive at a checked collective within ``NUMGUARD_DIST_TIMEOUT`` seconds.
-    ``.missing_ranks`` lists them (ranks of the default group)."""
+    ``.missing_ranks`` lists them (ranks of the default group); ``.backend_error`` is the backend's
+    exception when the collective failed instead of running out of time (None when it timed out)."""
 
-    def __init__(self, message: str, missing_ranks=()):
+    def __init__(self, message: str, missing_ranks=(), backend_error=None):
         super().__init__(message)
         self.missing_ranks = list(missing_ranks)
+        self.backend_error = backend_error
 
 
 class DistributedWarning(RuntimeWarning):

@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import time
 
+from .arrivals import Arrivals
+
 DONE = b"done"
 CLOSED = b"closed"
 # compare_set's answer for a key that does not exist yet, when asked to replace this value.
@@ -92,6 +94,7 @@ class Rendezvous:
         self.failures = 0  # failed meetings in a row
         self.missing: list = []
         self._can_delete = True
+        self.seen = Arrivals(store, prefix.rstrip("/"), self.global_ranks)  # seen/<rank>: its last slot
 
     def _key(self, slot: int, what: str) -> str:
         return f"{self.prefix}{slot}/{what}"
@@ -147,7 +150,7 @@ class Rendezvous:
             pause = min(pause * 2, _MAX_POLL_PAUSE_S)
 
     def _post_seen(self, s: int) -> None:
-        self.store.set(f"{self.prefix}seen/{self.me}", str(s))
+        self.seen.post("seen", self.me, s)
 
     def _missing(self, s: int) -> list:
         """Global ranks that never waited at slot ``s`` or later."""
@@ -155,8 +158,8 @@ class Rendezvous:
         for g in self.global_ranks:
             if g == self.me:
                 continue
-            seen = self.store.compare_set(f"{self.prefix}seen/{g}", _UNSET, _UNSET)
-            if seen == _UNSET or int(seen) < s:
+            seen = self.seen.value("seen", g)
+            if seen is None or int(seen) < s:
                 missing.append(g)
         return missing
 

@@ -1,15 +1,21 @@
 """Rendezvous, process group and timed steps for ``numguard doctor``: nothing here waits forever.
 
 Start-up: every rank connects to the TCPStore at MASTER_ADDR:MASTER_PORT (rank 0 hosts it unless
-torchrun's agent already does), sets ``arrived/<rank>`` and rank 0 waits up to ``--timeout`` for
-every key, then publishes the list of ranks that never joined. Only when that list is empty is a
-process group created, on the same store, so ``init_process_group`` never waits for a missing rank.
+torchrun's agent already does) and posts its ``arrived`` mark; rank 0 waits up to ``--timeout``
+for every rank's, then publishes the list of ranks that never joined. Only when that list is empty
+is a process group created, on the same store, so ``init_process_group`` never waits for a missing
+rank. The marks are numguard.distributed.arrivals', the bookkeeping numguard's channel keeps its
+check numbers with: this meeting must come before any process group, so the channel's own group
+cannot hold it.
 
-Steps: every collective is issued with ``async_op=True`` and waited for with a deadline; a step
-that runs out of time raises :class:`StepTimeout`, one that fails (a peer died, a backend error)
-:class:`CollectiveError`. Both carry a census naming the ranks that died, never reached the step,
-stopped making progress inside it, saw it fail, or wait for the others: each rank marks in the
-store when it enters a step, finishes it, times out or fails in it, and a heartbeat thread bumps
+Steps: the collectives the doctor examines (the checks, the bandwidth table) run on the job's own
+process group, as the user's would: each is issued with ``async_op=True`` and waited for with a
+deadline. What the ranks tell each other (facts, results, the final barrier) goes through numguard's
+channel (its own gloo group and timed collectives), like every other cross-rank message numguard
+sends. A step that runs out of time raises :class:`StepTimeout`, one that fails (a peer died, a
+backend error) :class:`CollectiveError`. Both carry a census naming the ranks that died, never
+reached the step, stopped making progress inside it, saw it fail, or wait for the others: each rank
+marks when it enters a step, finishes it, times out or fails in it, and a heartbeat thread bumps
 a counter of its own, so a rank whose counter stands still is dead, not slow.
 """
 from __future__ import annotations
@@ -27,6 +33,10 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from ..distributed import channel, collectives
+from ..distributed.arrivals import Arrivals
+from ..distributed.errors import DistributedTimeoutError
 
 __all__ = ["CENSUS", "CollectiveError", "Context", "DoctorError", "SettingError", "StepTimeout",
            "all_gather_single", "describe_census", "gather_json", "parse_sizes",
@@ -152,6 +162,7 @@ class Context:
         # torchrun restarts reuse the agent's store: keys of an earlier attempt must not count.
         self.prefix = f"{_KEY_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self.store = None
+        self.marks = None  # every rank's marks in the store (numguard.distributed.arrivals)
         self._agent_store = False
         self.cuda = torch.cuda.is_available()
         self.device = torch.device("cpu")
@@ -172,31 +183,29 @@ class Context:
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         is_master = self.rank == 0 and not agent
         self.store = self._open_store(is_master)
+        self.marks = marks = Arrivals(self.store, self.prefix, range(self.world))
         self._agent_store = agent
         self._heartbeat = _Heartbeat(self)
-        self.store.set(self._key("arrived", self.rank), self.host)
-        verdict_key = self._key("verdict")
+        marks.post("arrived", self.rank, self.host)
         if self.rank == 0:
             if refusal:
                 verdict = {"refused": refusal}
             else:
-                verdict = {"missing": self._wait_for_keys("arrived", range(self.world),
-                                                          self.timeout)}
-            self.store.set(verdict_key, json.dumps(verdict))
-            self.arrived = self._arrived_hosts()
+                verdict = {"missing": marks.wait("arrived", range(self.world), self.timeout)}
+            marks.post("verdict", 0, json.dumps(verdict))
+            self.arrived = {r: marks.value("arrived", r).decode() for r in marks.posted("arrived")}
         else:
             # Rank 0 publishes its verdict at most `timeout` after it arrived; allow as long again.
-            if self._wait_for_keys("verdict", [None], 2 * self.timeout + 5):
+            if marks.wait("verdict", [0], 2 * self.timeout + 5):
                 raise DoctorError(f"rank {self.rank}: rank 0 published no start-up verdict within "
                                   f"{2 * self.timeout + 5:g} s; it may have died after it started")
-            verdict = json.loads(self.store.get(verdict_key))
-            self.store.set(self._key("ack", self.rank), "1")
+            verdict = json.loads(marks.value("verdict", 0))
+            marks.post("ack", self.rank)
         missing = verdict.get("missing", [])
         if (missing or "refused" in verdict) and self.rank == 0:
             # The others leave on this verdict too; keep the store (this process) up until they
             # have read it, or they would report an unreachable store instead of the verdict.
-            arrived = [r for r in range(1, self.world) if r not in missing]
-            self._wait_for_keys("ack", arrived, self.timeout)
+            marks.wait("ack", [r for r in range(1, self.world) if r not in missing], self.timeout)
         if "refused" in verdict:
             raise SettingError(verdict["refused"] if self.rank == 0 else
                                f"rank 0 refused to start: {verdict['refused']}")
@@ -271,15 +280,6 @@ class Context:
             raise self._failed(name, tag, call.error)
         self._mark("done", tag)
 
-    def _arrived_hosts(self):
-        """``{rank: host}`` for the ranks whose arrival key is set (never blocks)."""
-        hosts = {}
-        for r in range(self.world):
-            key = self._key("arrived", r)
-            if self.store.check([key]):
-                hosts[r] = self.store.get(key).decode()
-        return hosts
-
     # -- steps ---------------------------------------------------------------------------------
     def step(self, name, issue, timeout=None):
         """Run ``issue()`` (returns async works) and wait for them; :class:`StepTimeout` if late."""
@@ -291,6 +291,22 @@ class Context:
         self._mark("done", tag, name)
         return works
 
+    def exchange(self, name, data):
+        """Every rank's ``data`` (bytes), by rank, through numguard's channel: a step like the
+        others (marked, timed, with the census when it fails)."""
+        tag = self._enter(name)
+        try:
+            rows = collectives.timed_all_gather_bytes(channel.group_state(), data, name, "numguard doctor",
+                                                      timeout=self.timeout)
+        except DistributedTimeoutError as exc:
+            if exc.backend_error is None:
+                raise self._timed_out(name, tag, self.timeout) from None
+            raise self._failed(name, tag, exc.backend_error) from None
+        except RuntimeError as exc:
+            raise self._failed(name, tag, exc) from None
+        self._mark("done", tag, name)
+        return rows
+
     def _enter(self, name=None):
         self._step += 1
         tag = f"{self._step}"
@@ -299,7 +315,7 @@ class Context:
 
     def _mark(self, kind, tag, name=None):
         try:
-            self.store.set(self._key(kind, tag, self.rank), "1")
+            self.marks.post(kind, self.rank, tag=tag)
         except Exception as exc:  # noqa: BLE001 - torch raises several types for a lost store
             raise CollectiveError(name or f"step {tag}", f"step {name!r} on rank {self.rank}: "
                                   f"the rendezvous store is unreachable ({type(exc).__name__})",
@@ -351,13 +367,11 @@ class Context:
         tag = tag or f"{self._step}"
         try:
             if mark:
-                self.store.set(self._key(mark, tag, self.rank), "1")
+                self.marks.post(mark, self.rank, tag=tag)
             before = self._beats()
             time.sleep(LIFE_WINDOW_S)
             after = self._beats()
-            has = {kind: {r for r in range(self.world)
-                          if self.store.check([self._key(kind, tag, r)])}
-                   for kind in ("entered", "waiting", "failed", "done")}
+            has = {kind: set(self.marks.posted(kind, tag)) for kind in ("entered", "waiting", "failed", "done")}
         except Exception:  # noqa: BLE001 - the store host (rank 0) may be gone
             return self._store_lost()
         alive = {r for r in range(self.world) if after[r] > before[r]} | {self.rank}
@@ -370,7 +384,7 @@ class Context:
 
     def _beats(self):
         # add(key, 0) reads a counter in one round trip (and is 0 for a rank that never beat).
-        return [self.store.add(self._key("beat", r), 0) for r in range(self.world)]
+        return [self.store.add(self.marks.key("beat", r), 0) for r in range(self.world)]
 
     def _store_lost(self):
         """The census when the store cannot be reached: its host is gone."""
@@ -388,14 +402,14 @@ class Context:
         stopped beating.
         """
         try:
-            self.store.set(self._key("left", self.rank), "1")
+            self.marks.post("left", self.rank)
             if self.rank != 0 or self._agent_store:
                 return
             deadline = time.monotonic() + self.timeout + 2 * LIFE_WINDOW_S
             pending = set(range(1, self.world))
             beats, beat_at = self._beats(), time.monotonic()
             while pending and time.monotonic() < deadline:
-                pending = {r for r in pending if not self.store.check([self._key("left", r)])}
+                pending -= set(self.marks.posted("left", ranks=pending))
                 if time.monotonic() - beat_at > LIFE_WINDOW_S:
                     now = self._beats()
                     pending = {r for r in pending if now[r] > beats[r]}  # the dead never leave
@@ -403,18 +417,6 @@ class Context:
                 time.sleep(0.1)
         except Exception:  # noqa: BLE001 - leaving anyway
             pass
-
-    def _key(self, *parts):
-        return "/".join([self.prefix] + [str(p) for p in parts if p is not None])
-
-    def _wait_for_keys(self, kind, ranks, timeout):
-        pending = list(ranks)
-        deadline = time.monotonic() + timeout
-        while pending and time.monotonic() < deadline:
-            pending = [r for r in pending if not self.store.check([self._key(kind, r)])]
-            if pending:
-                time.sleep(0.05)
-        return pending
 
 
 _STORE_THREAD = "numguard-doctor-store"
@@ -468,7 +470,7 @@ class _Heartbeat:
     """
 
     def __init__(self, ctx):
-        key = ctx._key("beat", ctx.rank)
+        key = ctx.marks.key("beat", ctx.rank)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, args=(ctx.addr, ctx.port, ctx.world, ctx.timeout, key),
                                         name="numguard-doctor-heartbeat", daemon=True)
@@ -551,19 +553,6 @@ def reduce_scatter_single():
 
 
 def gather_json(ctx, obj, name):
-    """Every rank's ``obj`` (JSON-able) on every rank, as a list indexed by rank.
-
-    CPU tensors, so on CUDA jobs this goes through gloo and still works when NCCL does not.
-    """
-    data = json.dumps(obj).encode()
-    mine = torch.tensor([len(data)], dtype=torch.int64)
-    sizes = torch.zeros(ctx.world, dtype=torch.int64)
-    gather = all_gather_single()
-    ctx.step(name, lambda: [gather(sizes, mine, async_op=True)])
-    longest = int(sizes.max())
-    payload = torch.zeros(longest, dtype=torch.uint8)
-    payload[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    out = torch.zeros(ctx.world * longest, dtype=torch.uint8)
-    ctx.step(name, lambda: [gather(out, payload, async_op=True)])
-    rows = out.view(ctx.world, longest)
-    return [json.loads(bytes(rows[r, :int(sizes[r])].tolist()).decode()) for r in range(ctx.world)]
+    """Every rank's ``obj`` (JSON-able) on every rank, as a list indexed by rank (through
+    numguard's channel: gloo on CPU, so on CUDA jobs it still works when NCCL does not)."""
+    return [json.loads(row.decode()) for row in ctx.exchange(name, json.dumps(obj).encode())]

@@ -1,17 +1,19 @@
-"""The Inspector: module hooks wired to the ring, the weight table, the flag reader and the
-reporter, and the batch life cycle that ties them together.
+"""The Inspector: watch()'s object. It builds the parts and is their public face: the batch life
+cycle (numguard.inspector.cycle: ring, weight table, flag reader, reporter), the module hooks and
+the batch state they hold (numguard.inspector.hooks), and the optional features behind one
+lifecycle (numguard.inspector.features, added by _add_features below).
 
-One watched tensor, top to bottom: a module's forward hook (``Inspector._hook``) flattens the call
-(``frames.flatten_call``) and hands the tensors to ``FrameRing.record``, one ``record_`` launch
-into the device ring, no host sync. The root's return ends the batch (``_end_batch``): the
-``FlagReader`` reads the state (one tiny device->host copy, or an async copy read next batch) and
-returns a ``CheckStatus``; healthy frames are trimmed to report context, a trip goes to the
-``Reporter``, which copies the ring once, builds the report and raises, warns or dumps.
+One watched tensor, top to bottom: a module's forward hook (``ModuleHooks.module_hook``, or the
+native fast path it tries first) flattens the call (``frames.flatten_call``) and hands the tensors
+to ``FrameRing.record``, one ``record_`` launch into the device ring, no host sync. The root's
+return (or a batch bracket's end) ends the batch (``BatchCycle.end_batch``): the ``FlagReader``
+reads the state (one tiny device->host copy, or an async copy read next batch) and returns a
+``CheckStatus``; healthy frames are trimmed to report context, a trip goes to the ``Reporter``,
+which copies the ring once, builds the report and raises, warns or dumps.
 """
 from __future__ import annotations
 
 import operator
-import sys
 import warnings
 import weakref
 from typing import NamedTuple
@@ -21,11 +23,10 @@ import torch
 from .. import env
 from .. import ownership as _ownership
 from .. import process as _process
-from ..errors import AbortAfterBatch, InspectorWarning, NonFiniteError, SpikeError
+from ..errors import InspectorWarning
 from . import frames as _frames
-from . import checks as _checks
 from . import gradients as _gradients
-from .checks import FlagReader
+from .cycle import BatchCycle
 from .graph import GraphRecorder
 from .hooks import BatchState, ModuleHooks, active
 from .options import STDOUT, WatchOptions
@@ -34,20 +35,11 @@ from .replay import InputKeeper
 from .norm_stats import NormStatsWatch
 from .quant_watch import QuantWatch
 from .rerun import RootRerun
-from .ring import FrameRing
-from .trips import Reporter
 from .watched_history import HistoryFeature
-from .weights import WeightTable
-
 
 
 _watched = weakref.WeakKeyDictionary()  # module -> open inspectors whose hooks are on it
 _roots = weakref.WeakKeyDictionary()    # root module -> the open Inspector watching it as its root
-
-
-def _caller_site():
-    """file:line of the first caller outside numguard and torch (where watch() was called)."""
-    return _process.call_site(unknown="an unknown place")
 
 
 def _take_root(model, inspector):
@@ -115,11 +107,6 @@ class Held(NamedTuple):
     hooks: int
 
 
-def _is_distributed_failure(exc: BaseException) -> bool:
-    errors = sys.modules.get("numguard.distributed.errors")  # loaded only when distributed is in use
-    return errors is not None and isinstance(exc, errors.DistributedOperationException)
-
-
 def _model_device(model):
     for tensor in list(model.parameters()) + list(model.buffers()):
         if tensor.device.type != "meta":
@@ -127,13 +114,14 @@ def _model_device(model):
     return torch.device("cpu")
 
 
-class Inspector(ModuleHooks):
+class Inspector:
     """Watches every module of `model` (forward hooks), keeping stats on the device until a
     NaN/Inf trips. Use `watch(model, ...)` to create one; it is a context manager, and `close()`
     removes every hook it added.
 
     Args:
-        model: the root module. Its forward returning ends a batch (batches are 0-indexed).
+        model: the root module. Its forward returning ends a batch (batches are 0-indexed), or
+            the end of a batch bracket (``with inspector.batch(step=...):``).
 {options}
 
     What trips: a NaN/Inf in a module's output (or weights). A NaN/Inf a module takes and does not
@@ -142,62 +130,50 @@ class Inspector(ModuleHooks):
     """
 
     _inputs_trip = False  # NOTE: [context records]
+    _hooks_class = ModuleHooks
 
     def __init__(self, model: torch.nn.Module, max_frames_to_save=env.WATCH_DEFAULTS["max_frames_to_save"],
                  trace_batch_nums=env.WATCH_DEFAULTS["trace_batch_nums"],
                  abort_after_batch_num=env.WATCH_DEFAULTS["abort_after_batch_num"], **options):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"numguard.watch: model must be a torch.nn.Module, got {type(model).__name__}")
-        self.options = WatchOptions.from_arguments(
+        self.options = opts = WatchOptions.from_arguments(
             max_frames_to_save=max_frames_to_save, trace_batch_nums=trace_batch_nums,
             abort_after_batch_num=abort_after_batch_num, **options)
-        opts = self.options
-        self.max_frames_to_save = opts.max_frames_to_save
-        self.trace_batch_nums = opts.trace_batch_nums
-        self.abort_after_batch_num = opts.abort_after_batch_num
         self._model_ref = weakref.ref(model)
-        self._handles = []
-        self._batch = BatchState()        # closed / open / depth / done: the hooks' batch state
-        self._warned = set()
-        self._owners = []
-        self._module_names = weakref.WeakKeyDictionary()
-        self._named = {}                  # (name, class) -> Owner for record_frame
-        self._thread = None
-        self._child_hooks = []            # pre-hooks timing the root's first child (hooks.py)
-        self._first_child = None
-        # The features (numguard.inspector.features), called in this order at each point of the
-        # lifecycle; the attributes name the ones other parts reach for.
-        self.features = []
-        self._backward_watch = None       # backward=True (numguard.inspector.gradients)
-        self._ops = None                  # ops=True (numguard.inspector.operations)
-        self._keeper = None               # replay=True: each module's last inputs (numguard.inspector.replay)
-        self._rerun = None                # rerun=True: the root's kept calls (numguard.inspector.rerun)
-        self.verdicts = []                # every rerun verdict (rerun=True, numguard.rerun_step), oldest first
-        self._history = None              # history, advice and spikes (numguard.inspector.watched_history)
-        self._quant = None                # quant=: the low-precision what-if (numguard.inspector.quant_watch)
+        self._created_at = _process.call_site(unknown="an unknown place")
         self._registered = []             # weak refs of the modules counted in _watched
-        self._created_at = _caller_site()
-        self._ring = FrameRing(max(64, 8 * opts.max_frames_to_save), _model_device(model),
-                               on_drop=self._frames_dropped, on_unchecked=self._unchecked_tensor,
-                               inputs_trip=self._inputs_trip)
-        self._weights = WeightTable(self._owners, opts.headroom, on_unchecked=self._unchecked_tensor)
-        self._reader = FlagReader(self._ring, opts.check, self._warned)
-        self._reader.skipped_steps = lambda: getattr(self._backward_watch, "scaler_skipped_steps", 0)
-        self._reporter = Reporter(self._ring, self._weights, opts, self._warned, self._reader)
-        self._graph = _add_graph_recorder(self)  # frames recorded inside compiled graphs, or None
+        self._named = {}                  # (name, class) -> Owner for record_frame
+        self.verdicts = []                # every rerun verdict (rerun=True, numguard.rerun_step), oldest first
+        # The features (numguard.inspector.features), called in this order at each point of the
+        # lifecycle (numguard.inspector.cycle); _add_features names the ones other parts reach for.
+        self.features = []
+        self._backward_watch = self._ops = self._keeper = self._rerun = self._history = self._quant = None
+        self._batch, self._owners = BatchState(), []
+        self._cycle = cycle = BatchCycle(opts, self._batch, self._owners, self.features, _model_device(model),
+                                         self._inputs_trip, self._trip_reported, self._abort_message)
+        self._ring, self._weights, self._reader, self._reporter = cycle.ring, cycle.weights, cycle.reader, cycle.reporter
+        self._warned, self._warn_once, self._move_to = cycle.warned, cycle.warn_once, cycle.move_to
+        self._graph = cycle.graph = _add_graph_recorder(self)  # frames recorded inside compiled graphs, or None
         try:
             if opts.ops:
                 self._ops = self._add(OperationRecorder(self))
                 self._ops.tag_nodes = opts.backward   # name backward operations by forward module
                 self._reporter.builder.lineage = self._ops.lineage
+            self._hooks = hooks = self._hooks_class(self, cycle, self._batch, self._owners, opts.headroom, self._ops)
+            self._module_names, self._handles = hooks.module_names, hooks.handles
+            self._ops_call, self._ops_failed = hooks.ops_call, hooks.ops_failed
             _take_root(model, self)
             self._install_hooks(model)
             self._registered = _count_watched(list(self._module_names.keys()))
             _add_features(self, model, opts)
-            self._reporter.annotate = self._annotate_report
         except BaseException:
             self.close(check=False)  # a watch() that fails leaves no hook behind
             raise
+
+    def _install_hooks(self, model):
+        self._hooks.install(model)
+        self._root_owner = self._hooks.root_owner
 
     def _add(self, feature):
         self.features.append(feature)
@@ -208,12 +184,24 @@ class Inspector(ModuleHooks):
     def batch_number(self) -> int:
         """The 0-indexed current batch: the batch whose forward is running, or whose forward last
         finished (its backward and optimizer step see the same number)."""
-        return self._batch_index()
+        return self._cycle.batch_index()
 
     def _batch_index(self) -> int:
-        if self._batch.depth > 0 or self._batch.done == 0:
-            return self._batch.done
-        return self._batch.done - 1
+        return self._cycle.batch_index()
+
+    def batch(self, step=None, label=None, inputs=()):
+        """A bracket around one batch, for a training loop or a framework's own batch hooks:
+        ``with inspector.batch(step=trainer.global_step): ...`` (or ``.begin()`` ... ``.end()``).
+        The batch begins and ends there instead of at the root module's forward (a root call
+        inside it continues it). `step`, when given, is named next to the batch number in trip
+        messages and reports (as `label`, default the label set_step_counter gave, else
+        "global_step"). ``end(output)`` checks the batch's result (its loss) as the root's output,
+        with `inputs` as the root's inputs (numguard.inspector.hooks.BatchBracket)."""
+        if step is not None:
+            counter = self._reporter.step_counter
+            label = label if label is not None else counter[0] if counter is not None else "global_step"
+            self._reporter.step_counter = (str(label), lambda: step)
+        return self._hooks.bracket(inputs)
 
     @property
     def module_names(self):
@@ -223,10 +211,6 @@ class Inspector(ModuleHooks):
     @property
     def model(self):
         return self._model_ref()
-
-    @property
-    def check_every(self) -> int:
-        return self.options.check_every
 
     @property
     def trips(self) -> int:
@@ -303,10 +287,10 @@ class Inspector(ModuleHooks):
         finally:
             self._batch.closed = True
             _close_features(self.features)
-            for h in self._handles:
-                h.remove()
-            self._handles.clear()
-            self._backward_watch = None
+            hooks = getattr(self, "_hooks", None)
+            if hooks is not None:
+                hooks.remove()
+            self._backward_watch = self._cycle.gradients = None
             _forget(self)
 
     def record_frame(self, module_name: str, class_name: str, labels, values, section: str = "forward") -> None:
@@ -324,11 +308,11 @@ class Inspector(ModuleHooks):
         xs, kinds = _frames.flatten_values(values)
         ops = self._ops
         if ops is None:
-            self._ring.record(owner, xs, list(labels), kinds, section, False, False, self._batch_index())
+            self._ring.record(owner, xs, list(labels), kinds, section, False, False, self._cycle.batch_index())
             return
         ops.paused += 1  # numguard's own recording (e.g. a gradient tap in the backward) is no operation
         try:
-            self._ring.record(owner, xs, list(labels), kinds, section, False, False, self._batch_index())
+            self._ring.record(owner, xs, list(labels), kinds, section, False, False, self._cycle.batch_index())
         finally:
             ops.paused -= 1
 
@@ -336,17 +320,7 @@ class Inspector(ModuleHooks):
         """Look at the trip flag now (check="sync": one tiny device->host read; "async": read the
         copy made at the previous check and start a new one) and handle a trip: print the report,
         then raise / warn / dump as configured."""
-        if self._batch.closed:
-            return
-        if self.options.check == "sync":
-            self._handle(self._reader.read_now(where, self._batch_index()))
-            return
-        status = self._reader.read_async(where, self._batch_index())
-        if status is not None:
-            self._handle(status)
-            if self._batch.closed:
-                return
-        self._reader.issue_async_copy(self._batch_index())
+        self._cycle.check(where)
 
     # -- what numguard.backward uses (a small protocol; it never reaches into private state) -----
     def ring_position(self) -> int:
@@ -356,130 +330,14 @@ class Inspector(ModuleHooks):
     def check_now(self, where: str) -> None:
         """A synchronous check whatever `check` says (the state read now covers what a pending
         async copy held)."""
-        if self._batch.closed:
-            return
-        self._reader.forget_pending()
-        self._handle(self._reader.read_now(where, self._batch_index()))
+        self._cycle.check_now(where)
 
     def forget_trip_from(self, position: int, where: str) -> None:
         """Records from `position` on are not a trip (e.g. the gradients of a step GradScaler
         skipped). One read of the state: a trip recorded before `position` is still handled."""
-        if self._batch.closed:
-            return
-        self._ring.merge_devices()  # other devices' trips too (NOTE: [one ring per device])
-        tripped, first = self._ring.state[:2].tolist()
-        if not tripped:
-            return
-        # A graph record is forgotten when it is a gradient's (the graphs' forward frames come first).
-        if first < position or (GraphRecorder.owns(first) and not self._graph.records_gradient_at(first)):
-            self.check_now(where)
-        else:
-            self._ring.reset_after_trip()
-            self._reporter.forget_graph_frames()
+        self._cycle.forget_trip_from(position, where)
 
-    def _unchecked_tensor(self, owner, label, tensor):
-        self._warn_once(*_frames.unchecked_warning(owner, label, tensor))  # once per module and label
-
-    def _warn_once(self, key, message):
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(message, InspectorWarning, stacklevel=4)
-
-    # -- the batch life cycle --------------------------------------------------------------------
-    def _begin_batch(self):
-        self._batch.open = True
-        for feature in self.features:
-            feature.begin_batch(self._batch.done)
-        self._weights.record_or_stop(self._batch.done, self._ring, self._move_to, self._warn_once)
-
-    def _move_to(self, device):
-        self._ring.move_to(device)
-        self._reader.device_moved()
-        self._weights.forget()
-        for feature in self.features:
-            feature.device_moved(device)
-
-    def _frames_dropped(self, cut):
-        self._reader.frames_dropped(cut)
-        frames = self._ring.frames
-        self._weights.drop_before(frames[0].batch if frames else self._batch.done)
-
-    def _end_batch(self):
-        self._reader.forward_ended()  # host step time for the cross-rank numbers
-        self._keep_first_child_hook()
-        batch = self._batch.done
-        self._batch.done += 1
-        self._batch.open = False
-        self._ring.forget_seen()
-        self._ring.pending_start = self._batch.done
-        for feature in self.features:
-            self._guarded(feature.end_batch, batch)
-        traced = batch in self.trace_batch_nums
-        if traced:
-            self._guarded(self._reporter.print_trace, batch)
-        watcher = self._backward_watch
-        if self._batch.done % self.options.check_every == 0 and (
-                watcher is None or not watcher.takes_batch_end_check()):
-            self._guarded(self.check, "batch end")
-        if traced:
-            # Like Transformers, a later report does not reach back into a traced batch.
-            self._ring.floor = len(self._ring.frames)
-        if self.abort_after_batch_num is not None and batch >= self.abort_after_batch_num:
-            raise AbortAfterBatch(self._abort_message(batch))
-
-    def _end_direct_call(self, owner):
-        """A watched module called outside the root's forward has returned: check now, or its NaN
-        would wait for a root call that may never come."""
-        self._batch.open = False
-        self._ring.forget_seen()
-        self._guarded(self.check, f"{owner.name or '(root module)'} ({owner.cls}) {_checks.OUTSIDE_ROOT}")
-
-    def _after_raised_forward(self, exc):
-        """The root forward raised. A trip another inspector already raised (or an abort) is not
-        reported twice; otherwise a NaN recorded before the exception is reported now, as a
-        warning (this rank only: the other ranks are not at a check), while the exception goes on."""
-        self._batch.open = False
-        self._ring.forget_seen()
-        if isinstance(exc, (NonFiniteError, AbortAfterBatch)):
-            self._ring.reset_after_trip()
-            self._reporter.forget_graph_frames()
-            return
-        status = self._reader.read_local(f"the forward raised {type(exc).__name__}", self._batch_index())
-        if status.tripped:
-            self._reporter.handle_trip(status, self._ring.host_copy(), on_report=self._trip_reported,
-                                       on_trip="warn" if self.options.on_trip == "raise" else self.options.on_trip)
-
-    def _handle(self, status):
-        for feature in self.features:
-            feature.check_read(status)
-        host_ring = None
-        if status.headroom_hit:
-            host_ring = self._ring.host_copy()
-            self._guarded(self._reporter.handle_headroom, host_ring, status.boundary)
-        if status.any_trip:
-            if host_ring is None and status.tripped:
-                host_ring = self._ring.host_copy()
-            self._reporter.handle_trip(status, host_ring, on_report=self._trip_reported)
-        else:
-            for feature in self.features:
-                feature.frames_confirmed(self._ring, self._ring.last_check_frames, status.boundary)
-            self._ring.keep_context(status.boundary, self.options.max_frames_to_save)
-
-    def _guarded(self, fn, *args):
-        try:
-            return fn(*args)
-        except (NonFiniteError, AbortAfterBatch, SpikeError):  # what the user asked numguard to raise
-            raise
-        except Exception as exc:
-            if _is_distributed_failure(exc):
-                # Ranks disagree or one never arrived: going on would hang the next collective.
-                raise
-            name = fn.__name__.strip("_").replace("_", " ")
-            self._warn_once(("internal", fn.__name__),
-                            f"numguard: {name} failed ({type(exc).__name__}: {exc}); training goes on")
-            return None
-
-    # -- precision advice (numguard.inspector.history, numguard.advice) --------------------------
+    # -- precision advice, spikes, rerun verdicts, the what-if (the features' results) -----------
     def advice(self):
         """Precision advice from the last batches' history (numguard.advice.Advice; print it for
         the table): worst first, the modules that will overflow float16, those whose gradients
@@ -506,12 +364,6 @@ class Inspector(ModuleHooks):
         """Every spike found so far (spikes=True), oldest first: dicts of module, class, quantity,
         value, baseline, factor, batch, rank."""
         return self._history.found_spikes()
-
-    def _annotate_report(self, report, offender):
-        """Fields the features add to a trip's report before it is rendered (the module history;
-        with replay=True the replay of the first bad module)."""
-        for feature in self.features:
-            feature.annotate_report(report, offender)
 
     # -- what a subclass may change --------------------------------------------------------------
     def _trip_reported(self, report, frames_after):
@@ -555,7 +407,8 @@ def _add_features(insp, model, opts):
     features; a new feature is its module plus a line here)."""
     device = insp._ring.device
     if opts.backward:  # handed operation mode, to enter it for each backward
-        insp._backward_watch = insp._add(_gradients.watch_gradients(insp, model, opts, insp._ops))
+        insp._backward_watch = insp._cycle.gradients = insp._add(
+            _gradients.watch_gradients(insp, model, opts, insp._ops))
     insp._history = insp._add(HistoryFeature(insp, device, opts.spikes))
     # NOTE: [running statistics]; with extras only: the drop-in keeps Transformers' rule (no buffers).
     norms = NormStatsWatch(insp, model) if opts.extras else None
@@ -575,13 +428,25 @@ def _add_features(insp, model, opts):
         insp._handles.append(replicas.attach(insp, model))
 
 
-# watch()'s options, read-only under the names they always had (report_to is settable).
+# watch()'s options, read-only under the names they always had (report_to is settable above; the
+# three of Transformers' DebugUnderflowOverflow are plain attributes there, settable here too).
 for _name, _option in {"on_trip": "on_trip", "check_mode": "check", "backward": "backward",
                        "headroom": "headroom", "dump_dir": "dump_dir", "extras": "extras",
                        "scaler_skips": "scaler_skips", "ops": "ops", "replay": "replay",
-                       "rerun": "rerun", "quant": "quant"}.items():
+                       "rerun": "rerun", "quant": "quant", "check_every": "check_every"}.items():
     setattr(Inspector, _name, property(operator.attrgetter(f"options.{_option}"),
                                        doc=f"watch()'s {_option} option (read-only)"))
+
+
+def _option_setter(name):
+    def set_option(inspector, value):
+        setattr(inspector.options, name, value)
+    return set_option
+
+
+for _name in ("max_frames_to_save", "trace_batch_nums", "abort_after_batch_num"):
+    setattr(Inspector, _name, property(operator.attrgetter(f"options.{_name}"), _option_setter(_name),
+                                       doc=f"watch()'s {_name} option"))
 
 if Inspector.__doc__:  # the options' entries come from their one table (None under python -OO)
     Inspector.__doc__ = Inspector.__doc__.replace("{options}", env.options_doc(indent=8))

@@ -106,14 +106,17 @@ class TransformersDebugUnderflowOverflow(DebugUnderflowOverflow):
     grep or ``type(e) is ValueError`` sees it). The NonFiniteError with numguard's report is the
     exception's ``__context__`` (not printed)."""
 
-    def _root_hook(self, *args):
-        return _plain_value_error(super()._root_hook, args)
+    class _hooks_class(core.ModuleHooks):
+        """Its module hooks: the same, with numguard's trip and abort raised as plain ValueErrors."""
 
-    def _top_returned_hook(self, *args):
-        return _plain_value_error(super()._top_returned_hook, args)
+        def root_hook(self, *args):
+            return _plain_value_error(super().root_hook, args)
 
-    def _module_hook(self, *args):
-        return _plain_value_error(super()._module_hook, args)
+        def top_returned_hook(self, *args):
+            return _plain_value_error(super().top_returned_hook, args)
+
+        def module_hook(self, *args):
+            return _plain_value_error(super().module_hook, args)
 
 
 def _current_module(inspector):

@@ -6,13 +6,16 @@ callback is a Callback of whichever is installed, of both when both are):
 
 From ``on_fit_start`` the callback watches the LightningModule (``backward=True`` unless told
 otherwise). Each ``training_step`` / ``validation_step`` / ``test_step`` / ``predict_step`` is one
-numguard batch: under a wrapping strategy (ddp) Lightning already routes the step through the
-module's call; on a single device the callback does the same, so the module's own hooks see the
-step begin and end. Parameter gradients are checked by numguard's optimizer step pre-hook, which
-runs after ``on_before_optimizer_step`` (after Lightning's AMP unscale); a step GradScaler skips
-under ``precision="16-mixed"`` is counted, not a trip. Every ``log_every_n_steps`` training
-steps the callback logs ``numguard/worst_headroom``, ``numguard/nonfinite`` and
-``numguard/skipped_steps`` through ``pl_module.log``. ``teardown`` (or ``on_exception``) closes the inspector.
+numguard batch, bracketed from Lightning's own batch hooks (``Inspector.batch``): it begins at
+``on_*_batch_start`` and ends when the step has returned (``on_before_backward`` for an
+automatically optimized training step, ``on_*_batch_end`` otherwise), with the step's result
+checked as the module's output, so a loss made NaN outside every submodule is a trip too. Nothing
+of the module is rewritten. Parameter gradients are checked by numguard's optimizer step
+pre-hook, which runs after ``on_before_optimizer_step`` (after Lightning's AMP unscale); a step
+GradScaler skips under ``precision="16-mixed"`` is counted, not a trip. Every
+``log_every_n_steps`` training steps the callback logs ``numguard/worst_headroom``,
+``numguard/nonfinite`` and ``numguard/skipped_steps`` through ``pl_module.log``. ``teardown`` (or
+``on_exception``) closes the inspector.
 
 With ``strategy="ddp"`` every rank learns of a trip at the same check (numguard's cross-rank
 exchange), so every rank stops in the same step.
@@ -25,8 +28,8 @@ from . import _common
 
 __all__ = ["NumguardCallback"]
 
-_STEPS = ("training_step", "validation_step", "test_step", "predict_step")
 _PREFIX = "numguard/"
+_STEP_LABEL = "Lightning global_step"
 
 
 def _callback_bases():
@@ -40,36 +43,6 @@ def _callback_bases():
         raise ImportError("numguard.integrations.lightning needs pytorch_lightning or lightning "
                           "(pip install pytorch-lightning)")
     return tuple(bases)
-
-
-def _through_call(module, name):
-    """`module.<name>` routed through ``module(...)`` (the way Lightning's forward redirection
-    does for wrapped models), so the module's forward hooks see the step begin and end."""
-    method = getattr(module, name)
-
-    def step(*args, **kwargs):
-        had_forward = "forward" in module.__dict__
-        forward = module.forward
-
-        def redirected(*a, **k):
-            _restore_forward(module, had_forward, forward)  # the step may call self(x) itself
-            return method(*a, **k)
-
-        module.forward = redirected
-        try:
-            return module(*args, **kwargs)
-        finally:
-            _restore_forward(module, had_forward, forward)
-
-    step.__numguard_step__ = method
-    return step
-
-
-def _restore_forward(module, had_forward, forward):
-    if had_forward:
-        module.forward = forward
-    else:
-        module.__dict__.pop("forward", None)
 
 
 class NumguardCallback(*_callback_bases()):
@@ -90,28 +63,56 @@ class NumguardCallback(*_callback_bases()):
         self.watch_options = dict(watch_options)
         self.inspector = None
         self.last_summary = {}
-        self._patched = []
-        self._trainer = None
+        self._bracket = None      # the running step's numguard batch (Inspector.batch)
+        self._routed = False      # Lightning runs the steps through the module's call (a wrapping strategy)
 
     def on_fit_start(self, trainer, pl_module):
         if self.inspector is not None:
             return
-        self._trainer = trainer
         try:
             _common.take_over_from_start_up(pl_module)
-            self.inspector = _common.watch(pl_module, self.watch_options, step=self._global_step,
-                                           step_label="Lightning global_step")
+            self.inspector = _common.watch(pl_module, self.watch_options)
         except Exception as exc:  # numguard's failure must not stop training
             self.inspector = None
             _common.warn(f"numguard: could not watch {type(pl_module).__name__} ({type(exc).__name__}: "
                          f"{exc}); training goes on unwatched")
             return
-        if getattr(trainer.strategy, "model", None) is pl_module:  # no wrapper routes steps through a call
-            for name in _STEPS:
-                if name in pl_module.__dict__:
-                    continue  # an instance attribute is the user's: leave it alone
-                pl_module.__dict__[name] = _through_call(pl_module, name)
-                self._patched.append((pl_module, name))
+        # A wrapping strategy (ddp) already runs each step through the module's call, whose hooks
+        # record its inputs and result: the bracket then only marks the batch.
+        self._routed = getattr(trainer.strategy, "model", None) is not pl_module
+
+    # -- one numguard batch per step --------------------------------------------------------------
+    def _begin(self, trainer, inputs):
+        if self.inspector is None:
+            return
+        self._end()  # a step Lightning skipped after its start hook (on_train_batch_start's -1)
+        try:
+            self._bracket = self.inspector.batch(step=trainer.global_step, label=_STEP_LABEL,
+                                                 inputs=() if self._routed else inputs).begin()
+        except Exception as exc:  # numguard's failure must not stop training
+            _common.warn(f"numguard: could not begin the batch ({type(exc).__name__}: {exc}); its modules "
+                         "are still watched")
+
+    def _end(self, *output):
+        bracket, self._bracket = self._bracket, None
+        if bracket is not None:
+            bracket.end(*(() if self._routed else output))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._begin(trainer, {"batch": batch, "batch_idx": batch_idx})  # as Lightning calls training_step
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if pl_module.automatic_optimization:  # a manual step calls backward inside training_step
+            self._end(loss)
+
+    def on_validation_batch_start(self, trainer, pl_module, *step_args):
+        self._begin(trainer, step_args)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, *step_args):
+        self._end(outputs)
+
+    on_test_batch_start = on_predict_batch_start = on_validation_batch_start
+    on_test_batch_end = on_predict_batch_end = on_validation_batch_end
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         # Nothing to do here: numguard's optimizer pre-hook runs next, inside optimizer.step()
@@ -119,6 +120,7 @@ class NumguardCallback(*_callback_bases()):
         return None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._end(outputs)  # a manual step, or one that returned no loss (no backward)
         if self.inspector is None:
             return
         every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 1))
@@ -140,15 +142,8 @@ class NumguardCallback(*_callback_bases()):
         self.close()
 
     def close(self):
-        """Close the inspector and undo the step routing (teardown does this)."""
-        for module, name in self._patched:
-            if getattr(module.__dict__.get(name), "__numguard_step__", None) is not None:
-                del module.__dict__[name]
-        self._patched.clear()
+        """Close the inspector (teardown does this)."""
+        self._bracket = None
         inspector, self.inspector = self.inspector, None
         if inspector is not None:
             inspector.close(check=False)
-
-    def _global_step(self):
-        trainer = self._trainer
-        return trainer.global_step if trainer is not None else None

@@ -130,17 +130,29 @@ def serve_debug_option() -> None:
                     why='NUMGUARD=1: debug="underflow_overflow" runs numguard\'s drop-in')
 
 
-def _callback_handler():
-    """The Trainer's CallbackHandler calling us now (its call_event is two frames up), or None."""
-    frame = sys._getframe(2)
-    for _ in range(4):
-        if frame is None:
-            return None
-        handler = frame.f_locals.get("self")
-        if type(handler).__name__ == "CallbackHandler" and isinstance(getattr(handler, "callbacks", None), list):
-            return handler
-        frame = frame.f_back
-    return None
+# NOTE: [reporters first] The Trainer puts its reporting callbacks (TensorBoard, W&B, ...) before
+# the user's, and they read `logs` in their on_log before this callback could add numguard's
+# numbers to it. No event comes between the Trainer building `logs` and those reads, and no
+# callback event hands a callback the handler's list, so the list is found once per train() as
+# the one list of callbacks that holds this callback and belongs to a CallbackHandler (the
+# garbage collector's referrers: nothing of the call stack, and nothing patched); this callback
+# then moves ahead of the first reporter. Where it is not found, the numbers still reach the
+# callbacks after this one and the Trainer's log history.
+def _callback_lists(callback):
+    """The CallbackHandler lists of callbacks that hold `callback` (see NOTE: [reporters first])."""
+    import gc
+
+    found = []
+    for holder in gc.get_referrers(callback):
+        if type(holder) is not list or any(holder is known for known in found):
+            continue
+        for owner in gc.get_referrers(holder):
+            attributes = owner if isinstance(owner, dict) else getattr(owner, "__dict__", None)
+            if (isinstance(attributes, dict) and attributes.get("callbacks") is holder
+                    and "train_dataloader" in attributes and "eval_dataloader" in attributes):
+                found.append(holder)
+                break
+    return found
 
 
 class NumguardCallback(_trainer_callback_base()):
@@ -166,9 +178,6 @@ class NumguardCallback(_trainer_callback_base()):
         self._state = None
 
     # -- training ---------------------------------------------------------------------------------
-    def on_init_end(self, args, state, control, **kwargs):
-        self._log_first()
-
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._log_first()
         self._state = state
@@ -215,18 +224,16 @@ class NumguardCallback(_trainer_callback_base()):
 
     def _log_first(self):
         """Move this callback ahead of the reporting callbacks (TensorBoard, W&B, ...), which the
-        Trainer puts before user callbacks: its numbers must be in `logs` before they read it."""
+        Trainer puts before user callbacks: its numbers must be in `logs` before they read it
+        (NOTE: [reporters first])."""
         try:
-            handler = _callback_handler()
-            if handler is None:
-                return
-            callbacks = handler.callbacks
-            here = callbacks.index(self)
-            first_reporter = next((i for i, cb in enumerate(callbacks)
-                                   if type(cb).__module__.startswith("transformers.integrations")), None)
-            if first_reporter is not None and first_reporter < here:
-                # Moving ourselves earlier while the handler iterates skips and repeats nothing.
-                callbacks.pop(here)
-                callbacks.insert(first_reporter, self)
+            for callbacks in _callback_lists(self):
+                here = callbacks.index(self)
+                first_reporter = next((i for i, cb in enumerate(callbacks)
+                                       if type(cb).__module__.startswith("transformers.integrations")), None)
+                if first_reporter is not None and first_reporter < here:
+                    # Moving ourselves earlier while the handler iterates skips and repeats nothing.
+                    callbacks.pop(here)
+                    callbacks.insert(first_reporter, self)
         except Exception:
             pass

@@ -25,7 +25,7 @@ class SyncCounter:
              torch.Tensor.__int__, torch.Tensor.cpu, torch.Tensor.numpy}
     # numguard's functions that run at a check (a batch end, a direct call's end, close(), the
     # optimizer step): a sync under one of them is a check's read, not a hook's.
-    BATCH_END = {"_end_batch", "_end_direct_call", "_after_raised_forward", "check", "check_now", "close",
+    BATCH_END = {"end_batch", "end_direct_call", "after_raised_forward", "check", "check_now", "close",
                  "forget_trip_from", "read_now", "read_async", "read_local"}
 
     def __init__(self):
