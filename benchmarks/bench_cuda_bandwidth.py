@@ -5,7 +5,12 @@
 * multi_tensor_stats over 1000 tensors of 4 KB against 1000 separate tensor_stats calls;
   target: >= 20x faster;
 * multi_tensor_fingerprint over a GPT-2-small-like parameter list against a copy of the same bytes;
-  target: no slower than the copy (it reads each byte once, the copy reads and writes it).
+  target: no slower than the copy (it reads each byte once, the copy reads and writes it);
+* tensor_stats of views read in place (rows with gaps, stride 2, short rows, transposed + sliced)
+  against torch.sum of the same view; target <= 1.5x;
+* quant_stats per format against torch.sum of the same tensor (issue 24's targets: <= 1.5x for the
+  per-tensor formats, <= 2x for the block formats), timed only through a native CUDA kernel: a
+  build without one prints the row as SKIPPED with the reason.
 
 Prints a table and writes JSON to benchmarks/results/bench_cuda_bandwidth.json; refuses to time
 anything unless numguard's CUDA kernels serve (never the pure-PyTorch fallback).
@@ -70,6 +75,59 @@ def bandwidth_rows(sizes_mb, iters):
                          "matches_reference": exact})
             del x, dst
             torch.cuda.empty_cache()
+    return rows
+
+
+def view_rows(iters: int) -> list[dict]:
+    """tensor_stats of views read in place (NOTE: [strided reads] in csrc/cuda) against torch.sum
+    of the same view, which reads it in place too."""
+    x = torch.randn(16384, 8192, device="cuda")  # 512 MB
+    views = {"rows with gaps x[:, :8000]": x[:, :8000], "stride-2 rows x[:, ::2]": x[:, ::2],
+             "short rows x[:, :6]": x[:, :6], "transposed + sliced x.t()[:4096]": x.t()[:4096]}
+    rows = []
+    for name, v in views.items():
+        exact = bool(torch.equal(numguard.tensor_stats(v), _torch_ops.tensor_stats(v)))
+        t_stats = time_cuda(lambda: numguard.tensor_stats(v), iters, warmup=3)
+        t_sum = time_cuda(lambda: torch.sum(v), iters, warmup=3)
+        rows.append({"view": name, "mb": v.numel() * 4 / 1e6, "stats_ms": t_stats * 1e3, "sum_ms": t_sum * 1e3,
+                     "stats_vs_sum": t_stats / t_sum, "matches_reference": exact})
+    del x
+    torch.cuda.empty_cache()
+    return rows
+
+
+def quant_rows(iters: int) -> list[dict]:
+    """quant_stats per format against torch.sum of the same 256 MB bf16 tensor, timed through the
+    dispatcher op so that only a native CUDA kernel is ever timed; a format without one is a row
+    that says so (SKIPPED) with nothing timed."""
+    from numguard import quant as quant_module
+    from numguard.schema import QUANT_FORMATS
+    have_kernel = (hasattr(torch.ops.numguard, "quant_stats") and
+                   torch._C._dispatch_has_kernel_for_dispatch_key("numguard::quant_stats", "CUDA"))
+    x = torch.randn(128 << 20, device="cuda").to(torch.bfloat16)
+    rows = []
+    for code, (name, spec) in enumerate(QUANT_FORMATS.items()):
+        target = 1.5 if spec.scale == "tensor" else 2.0
+        row = {"format": name, "target": target}
+        if not have_kernel:
+            row.update(status="SKIPPED", why="no CUDA quant_stats kernel in this build (numguard.quant_stats "
+                                              "would run torch operations on CUDA; not timed as if native)")
+            rows.append(row)
+            continue
+        op = torch.ops.numguard.quant_stats.default
+        got = op(x, code, 1.0, False)
+        want = quant_module._torch_quant_stats(x, spec, None)
+        sq = numguard.QUANT_FIELDS.index("sq_error")
+        same = [i for i in range(len(numguard.QUANT_FIELDS)) if i != sq]
+        exact = bool(torch.equal(got[same], want[same])) and bool(
+            torch.isclose(got[sq], want[sq], rtol=1e-9, atol=0.0))
+        t_quant = time_cuda(lambda: op(x, code, 1.0, False), iters, warmup=3)
+        t_sum = time_cuda(lambda: torch.sum(x), iters, warmup=3)
+        row.update(status="timed", quant_ms=t_quant * 1e3, sum_ms=t_sum * 1e3, quant_vs_sum=t_quant / t_sum,
+                   matches_torch_path=exact)
+        rows.append(row)
+    del x
+    torch.cuda.empty_cache()
     return rows
 
 
@@ -144,6 +202,21 @@ def main(argv=None) -> int:
           f"({'met' if min_ratio >= 0.8 else 'NOT met'}); multi-tensor >= 20x: {multi['speedup']:.1f}x "
           f"({'met' if multi['speedup'] >= 20 else 'NOT met'})")
 
+    views = view_rows(args.iters)
+    print("views read in place (512 MB fp32 base), tensor_stats time / torch.sum time of the same view:")
+    for r in views:
+        print(f"  {r['view']:<34} {r['mb']:>7.0f} MB {r['stats_ms']:>8.3f} ms  {r['stats_vs_sum']:>5.2f}x sum  "
+              f"exact: {r['matches_reference']}")
+    quant = quant_rows(args.iters)
+    print("quant_stats per format on a 256 MB bf16 tensor, time / torch.sum time of the same tensor:")
+    for r in quant:
+        if r["status"] != "timed":
+            print(f"  {r['format']:<14} SKIPPED ({r['why']})")
+            continue
+        print(f"  {r['format']:<14} {r['quant_ms']:>8.3f} ms  {r['quant_vs_sum']:>5.2f}x sum (target <= "
+              f"{r['target']}x: {'met' if r['quant_vs_sum'] <= r['target'] else 'NOT met'})  "
+              f"matches the torch-operations path: {r['matches_torch_path']}")
+
     fingerprint = fingerprint_row()
     print(f"multi_tensor_fingerprint of {fingerprint['tensors']} tensors, {fingerprint['mb']:.1f} MB: "
           f"{fingerprint['fingerprint_us']:.1f} us, {fingerprint['fingerprint_vs_copy']:.2f}x the time of a copy "
@@ -156,13 +229,22 @@ def main(argv=None) -> int:
                multi["speedup"] >= 20, "x")
         figure("multi_tensor_fingerprint time / copy time", fingerprint["fingerprint_vs_copy"], "<= 1.0",
                fingerprint["fingerprint_vs_copy"] <= 1.0, "x")
+        worst_view = max(r["stats_vs_sum"] for r in views)
+        figure("tensor_stats / torch.sum time on views read in place, max", worst_view, "<= 1.5",
+               worst_view <= 1.5, "x")
+        for r in quant:
+            if r["status"] == "timed":
+                figure(f"quant_stats {r['format']} / torch.sum time", r["quant_vs_sum"], f"<= {r['target']}",
+                       r["quant_vs_sum"] <= r["target"], "x")
 
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"device": name, "torch": torch.__version__, "backend": numguard.backend(), "archs": archs,
-                   "bandwidth": rows, "multi_tensor": multi, "fingerprint": fingerprint}, f, indent=2)
+                   "bandwidth": rows, "multi_tensor": multi, "fingerprint": fingerprint, "views": views,
+                   "quant": quant}, f, indent=2)
     print(f"wrote {args.json}")
-    ok = all(r["matches_reference"] for r in rows) and multi["matches_separate_calls"]
+    ok = (all(r["matches_reference"] for r in rows + views) and multi["matches_separate_calls"]
+          and all(r.get("matches_torch_path", True) for r in quant))
     return 0 if ok else 1
 
 

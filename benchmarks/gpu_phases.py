@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_phases.py PHASE [--rehearse]
 
-PHASE: environment, import, training, batch_finder, spread. With --rehearse each runs its CPU
+PHASE: environment, import, training, batch_finder, spread, fault. With --rehearse each runs its CPU
 counterpart. Exit status 0 when the phase passed; figures are printed for gpu_check.py to collect.
 """
 from __future__ import annotations
@@ -268,8 +268,56 @@ def spread(rehearse: bool) -> int:
     return 0
 
 
+def fault(rehearse: bool) -> int:
+    """A flipped exponent bit in a matrix product's output (numguard.testing.faults.inject_matmul),
+    once, under watch(spikes=True, rerun=True): silent on the healthy batches that arm the spike
+    test, then the flip is found at the module that ran the product, in its batch, the rerun on the
+    same device judges it transient and its output replaces the corrupted one. On the GPU a CUDA
+    model; rehearsed, the same on the CPU."""
+    import warnings
+
+    import torch
+
+    import numguard
+    from numguard.testing import faults
+    device = "cpu" if rehearse else "cuda"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                torch.nn.ReLU(), torch.nn.Linear(256, 8)).to(device)
+    with torch.no_grad():  # outputs of model[2] in +-[1, 2): the flip of the exponent's top bit makes a NaN
+        model[2].weight.mul_(0.01)
+        model[2].bias.copy_(torch.where(torch.rand(256, device=device) < 0.5, -1.5, 1.5))
+    x = torch.randn(32, 64, device=device)
+    insp = numguard.watch(model, spikes=True, rerun=True, report_to=None, on_trip="warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(24):  # arms the spike test (16 batches)
+            model(x)
+        healthy = [str(w.message) for w in caught if "numguard" in type(w.message).__module__]
+        caught.clear()
+        with faults.inject_matmul(model[2], "exponent", bit=30, seed=1) as flip:  # float32: the exponent's top bit
+            out = model(x)
+        model(x)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    found = [w.message for w in caught if isinstance(w.message, numguard.errors.NonFiniteWarning)]
+    others = [str(w.message) for w in caught if "numguard" in type(w.message).__module__ and
+              not isinstance(w.message, numguard.errors.NonFiniteWarning)]
+    report = insp.last_report or {}
+    insp.close(check=False)
+    flipped = flip.records()
+    verdict = found[0].attribution.verdict if found and found[0].attribution is not None else None
+    print(f"  {device}: flipped {flipped}; healthy batches warned {len(healthy)} time(s); after the flip: "
+          f"{len(found)} NonFiniteWarning(s), module {report.get('module')!r}, verdict {verdict!r}, "
+          f"output finite: {bool(torch.isfinite(out).all())}; other warnings: {others}")
+    ok = (flip.fired == 1 and not healthy and len(found) == 1 and report.get("module") == "2"
+          and verdict == "transient" and bool(torch.isfinite(out).all()))
+    figure("exponent flip in a matmul output found and judged transient", ok, "1", ok)
+    return 0 if ok else 1
+
+
 PHASES = {"environment": environment, "import": import_check, "training": training,
-          "batch_finder": batch_finder, "spread": spread}
+          "batch_finder": batch_finder, "spread": spread, "fault": fault}
 
 if __name__ == "__main__":
     name = sys.argv[1] if len(sys.argv) > 1 else ""

@@ -89,7 +89,8 @@ def test_native_backend_serves_the_ops():
 # whole multi-tensor launches: chunk plans and the block -> (tensor, chunk) lookup over lists with
 # empty tensors, each tensor's merged blocks against the tensor's reference.
 
-SCAN_EMULATION = r"""
+EMULATION_PRELUDE = r"""
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -126,6 +127,12 @@ inline unsigned lanewise_eq(unsigned a, unsigned b, int bits) {
 inline unsigned __vcmpeq2(unsigned a, unsigned b) { return lanewise_eq(a, b, 16); }
 inline unsigned __vcmpeq4(unsigned a, unsigned b) { return lanewise_eq(a, b, 8); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline unsigned long long __ldcg(const unsigned long long* p) { return *p; }
+inline unsigned atomicInc(unsigned* p, unsigned limit) {  // one block at a time: no interleaving here
+  const unsigned old = *p;
+  *p = old >= limit ? 0u : old + 1u;
+  return old;
+}
 
 #include "stats_device.cuh"
 
@@ -135,6 +142,28 @@ using namespace numguard::cuda::device;
 static int failures = 0;
 static long checks = 0;
 static std::mt19937_64 rng(1234);
+
+template <class Storage>
+Storage float_value(int pattern, const FloatFormat& f) {
+  const uint64_t sign = (rng() & 1) ? f.sign_mask : 0;
+  const uint64_t normal = f.min_normal + rng() % (f.finite_limit - f.min_normal);
+  if (pattern == 0) return static_cast<Storage>(sign | normal);
+  if (pattern == 2) return static_cast<Storage>(rng());
+  if (pattern == 3) return static_cast<Storage>(rng() % 2 ? sign : normal);  // ReLU-like: half +-0
+  if (pattern == 4) return static_cast<Storage>(rng() % 64 ? 0 : normal);    // almost all zeros
+  switch (rng() % 16) {  // pattern 1: mostly normal, some of every special value
+    case 0: return static_cast<Storage>(sign);                                         // +-0
+    case 1: return static_cast<Storage>(sign | (1 + rng() % (f.min_normal - 1)));      // subnormal
+    case 2: return static_cast<Storage>(sign | f.inf_bits);                            // inf (NaN for e4m3fn)
+    case 3: return static_cast<Storage>(sign | (f.sign_mask - 1));                     // NaN
+    case 4: return static_cast<Storage>(sign | (f.finite_limit - 1));                  // largest finite
+    default: return static_cast<Storage>(sign | normal);
+  }
+}
+
+"""
+
+SCAN_EMULATION = EMULATION_PRELUDE + r"""
 
 template <int kThreads, class Visitor, class Accum, class Storage, class RefAdd>
 void check(const char* name, const char* pattern, const Storage* p, int64_t n, int offset, RefAdd ref_add) {
@@ -154,24 +183,6 @@ void check(const char* name, const char* pattern, const Storage* p, int64_t n, i
   if (std::memcmp(&total, &ref, sizeof(Accum)) != 0) {
     if (++failures <= 10)
       std::printf("MISMATCH %s pattern=%s n=%lld offset=%d threads=%d\n", name, pattern, (long long)n, offset, kThreads);
-  }
-}
-
-template <class Storage>
-Storage float_value(int pattern, const FloatFormat& f) {
-  const uint64_t sign = (rng() & 1) ? f.sign_mask : 0;
-  const uint64_t normal = f.min_normal + rng() % (f.finite_limit - f.min_normal);
-  if (pattern == 0) return static_cast<Storage>(sign | normal);
-  if (pattern == 2) return static_cast<Storage>(rng());
-  if (pattern == 3) return static_cast<Storage>(rng() % 2 ? sign : normal);  // ReLU-like: half +-0
-  if (pattern == 4) return static_cast<Storage>(rng() % 64 ? 0 : normal);    // almost all zeros
-  switch (rng() % 16) {  // pattern 1: mostly normal, some of every special value
-    case 0: return static_cast<Storage>(sign);                                         // +-0
-    case 1: return static_cast<Storage>(sign | (1 + rng() % (f.min_normal - 1)));      // subnormal
-    case 2: return static_cast<Storage>(sign | f.inf_bits);                            // inf (NaN for e4m3fn)
-    case 3: return static_cast<Storage>(sign | (f.sign_mask - 1));                     // NaN
-    case 4: return static_cast<Storage>(sign | (f.finite_limit - 1));                  // largest finite
-    default: return static_cast<Storage>(sign | normal);
   }
 }
 
@@ -245,7 +256,8 @@ void run_table(const char* name, int64_t wave, int64_t min_chunk_bytes) {
     const int t = locate_block(block_start, num_tensors, b);
     const int64_t begin = static_cast<int64_t>(b - block_start[t]) * chunk[t];
     const int64_t count = numel[t] - begin < chunk[t] ? numel[t] - begin : chunk[t];
-    if (b < block_start[t] || b >= block_start[t + 1] || count <= 0) covered = false;
+    // every block reads something, but the one block of an empty tensor
+    if (b < block_start[t] || b >= block_start[t + 1] || (count <= 0 && numel[t] > 0)) covered = false;
     for (unsigned th = 0; th < 32; ++th) {
       threadIdx.x = th;
       FloatVisitor<E> v;
@@ -296,19 +308,228 @@ int main() {
 """
 
 
-def test_device_scan_logic_matches_the_shared_header_on_the_host(tmp_path):
+# Views read in place (NOTE: [strided reads]) and the one-launch finish (NOTE: [one launch per
+# frame]), emulated the same way: scan_strided's offsets over random layouts (gaps, overlaps, long
+# and short rows, unit and other inner strides, misaligned rows, chunks straddling rows, indices
+# past 2^32) against an independent odometer walk; and a whole launch run block by block in random
+# orders, through the launch counters, which must finalize each tensor once, after all of its
+# partials, complete the launch once, after every record, and leave the counters zero for the next.
+LAUNCH_EMULATION = EMULATION_PRELUDE + r"""
+// The logical elements [begin, begin + count) of layout L, by a coordinate odometer.
+template <class Storage>
+void odometer_add(const Storage* base, const StridedDims& L, int64_t begin, int64_t count, const FloatFormat& f,
+                  FloatStatsAccum& ref) {
+  int64_t coord[kMaxStridedDims] = {};
+  int64_t rest = begin;
+  for (int d = 0; d + 1 < L.dims; ++d) {
+    coord[d] = rest % L.sizes[d];
+    rest /= L.sizes[d];
+  }
+  coord[L.dims - 1] = rest;
+  for (int64_t k = 0; k < count; ++k) {
+    int64_t off = 0;
+    for (int d = 0; d < L.dims; ++d) off += coord[d] * L.strides[d];
+    ref.add(static_cast<uint64_t>(base[off]), f);
+    for (int d = 0; d < L.dims; ++d) {
+      if (++coord[d] < L.sizes[d] || d == L.dims - 1) break;
+      coord[d] = 0;
+    }
+  }
+}
+
+template <int kThreads, class E>
+FloatStatsAccum scan_strided_block(const typename E::Storage* base, const StridedDims& L, int64_t begin,
+                                   int64_t count) {
+  FloatStatsAccum total;
+  total.init();
+  for (unsigned t = 0; t < kThreads; ++t) {
+    threadIdx.x = t;
+    FloatVisitor<E> v;
+    v.init();
+    scan_strided<kThreads>(base, L, begin, count, v);
+    total.merge(v.result());
+  }
+  return total;
+}
+
+template <int kThreads, class E>
+void check_strided(const char* name, const typename E::Storage* base, const StridedDims& L, int64_t begin,
+                   int64_t count, int64_t chunk) {
+  const FloatFormat f = E::format();
+  FloatStatsAccum got;
+  got.init();
+  for (int64_t b = begin; b < begin + count; b += chunk) {
+    got.merge(scan_strided_block<kThreads, E>(base, L, b, std::min(chunk, begin + count - b)));
+  }
+  FloatStatsAccum ref;
+  ref.init();
+  odometer_add(base, L, begin, count, f, ref);
+  ++checks;
+  if (std::memcmp(&got, &ref, sizeof(ref)) != 0 && ++failures <= 10) {
+    std::printf("MISMATCH strided %s threads=%d dims=%d inner=%lld/%lld begin=%lld count=%lld chunk=%lld\n", name,
+                kThreads, L.dims, (long long)L.sizes[0], (long long)L.strides[0], (long long)begin,
+                (long long)count, (long long)chunk);
+  }
+}
+
+template <class E>
+void run_strided(const char* name) {
+  using Storage = typename E::Storage;
+  const FloatFormat f = E::format();
+  std::vector<uint4> buffer((1 << 24) / 16 + 4);
+  Storage* memory = reinterpret_cast<Storage*>(buffer.data());
+  const int64_t capacity = static_cast<int64_t>(buffer.size() * 16 / sizeof(Storage)) - 16;
+  for (int64_t i = 0; i < capacity + 16; ++i) memory[i] = float_value<Storage>(1, f);
+  for (int round = 0; round < 300; ++round) {
+    StridedDims L{};
+    L.dims = 1 + static_cast<int>(rng() % kMaxStridedDims);
+    int64_t numel = 1, extent = 1;
+    for (int d = 0; d < L.dims; ++d) {
+      const int kind = static_cast<int>(rng() % 4);
+      L.sizes[d] = d == 0 && kind < 2 ? 200 + rng() % 1200 : 2 + rng() % (L.dims > 3 ? 5 : 40);
+      if (d == 0) {
+        L.strides[d] = kind % 2 == 0 ? 1 : 2 + rng() % 3;
+      } else {  // a gap after the inner extent, or an overlap into it
+        L.strides[d] = rng() % 3 == 0 ? 1 + rng() % extent : extent + 1 + rng() % 9;
+      }
+      numel *= L.sizes[d];
+      extent += (L.sizes[d] - 1) * L.strides[d];
+    }
+    if (extent > capacity / 2 || numel > 400000) continue;
+    const Storage* base = memory + rng() % (16 / sizeof(Storage) + 1);  // rows at every alignment
+    const int64_t odd_chunk = 1 + static_cast<int64_t>(rng() % 5000);
+    const int64_t chunks[] = {numel, odd_chunk, 16 * (1 + static_cast<int64_t>(rng() % 300))};
+    for (int64_t chunk : chunks) {
+      check_strided<256, E>(name, base, L, 0, numel, chunk);
+      if (numel < 60000) check_strided<32, E>(name, base, L, 0, numel, chunk);
+    }
+  }
+  // Logical indices past 2^32 (an overlapping view of few bytes): the 64-bit path, and the edge
+  // where the 32-bit one would wrap.
+  StridedDims big{};
+  big.dims = 3;
+  big.sizes[0] = 5, big.sizes[1] = int64_t{1} << 20, big.sizes[2] = int64_t{1} << 14;
+  big.strides[0] = 1, big.strides[1] = 1, big.strides[2] = 1;
+  const int64_t two32 = int64_t{1} << 32;
+  for (int64_t begin : {two32 - 256 - 1000, two32 - 600, two32 - 1000, two32 + 12345, 5 * (two32 << 2) - 3000}) {
+    check_strided<256, E>(name, memory, big, begin, 1000 - (begin == two32 - 600 ? 500 : 0), 1000);
+  }
+  StridedDims rows = big;  // the same indices over long rows
+  rows.sizes[0] = 4096, rows.sizes[1] = int64_t{1} << 10;
+  for (int64_t begin : {two32 - 5000, two32 + 77}) check_strided<256, E>(name, memory, rows, begin, 9000, 9000);
+}
+
+// A launch of float32 tensors run block by block in a random order, as the kernel runs them: each
+// block stores its partial, then arrives at its tensor's counter; the last arrival merges the
+// tensor's partials into its record and arrives at the launch counter; the last of those would run
+// the frame's step.
+void run_launch(std::vector<unsigned>& counters, int round) {
+  using E = Float32Element;
+  const FloatFormat f = E::format();
+  const int num_tensors = 1 + static_cast<int>(rng() % 72);
+  std::vector<std::vector<uint32_t>> data(num_tensors);
+  std::vector<int64_t> chunk(num_tensors);
+  std::vector<int32_t> block_start(num_tensors + 1);
+  int32_t blocks = 0;
+  const int64_t wave = 1 + rng() % 64;
+  for (int t = 0; t < num_tensors; ++t) {
+    data[t].resize(rng() % 5 == 0 ? 0 : rng() % 9000);
+    for (auto& v : data[t]) v = float_value<uint32_t>(1, f);
+    const ChunkPlan plan = plan_chunks(static_cast<int64_t>(data[t].size()), 4, wave, 64);
+    chunk[t] = plan.chunk;
+    block_start[t] = blocks;
+    blocks += static_cast<int32_t>(plan.blocks);
+  }
+  block_start[num_tensors] = blocks;
+  std::vector<Partial> workspace(blocks);
+  std::vector<char> stored(blocks, 0);
+  std::vector<int> finalized(num_tensors, 0);
+  std::vector<FloatStatsAccum> records(num_tensors);
+  int launches_done = 0;
+  bool early = false;
+  std::vector<int32_t> order(blocks);
+  for (int32_t b = 0; b < blocks; ++b) order[b] = b;
+  std::shuffle(order.begin(), order.end(), rng);
+  for (int32_t b : order) {
+    const int t = locate_block(block_start, num_tensors, b);
+    const int64_t begin = static_cast<int64_t>(b - block_start[t]) * chunk[t];
+    const int64_t left = static_cast<int64_t>(data[t].size()) - begin;
+    const int64_t count = left < chunk[t] ? (left > 0 ? left : 0) : chunk[t];
+    FloatStatsAccum partial;
+    partial.init();
+    for (unsigned th = 0; th < 32; ++th) {
+      threadIdx.x = th;
+      FloatVisitor<E> v;
+      v.init();
+      scan_chunk<32>(data[t].data() + begin, count, v);
+      partial.merge(v.result());
+    }
+    workspace[b].f = partial;
+    stored[b] = 1;
+    if (!last_to_arrive(&counters[t], static_cast<unsigned>(block_start[t + 1] - block_start[t]))) continue;
+    for (int32_t k = block_start[t]; k < block_start[t + 1]; ++k) early |= !stored[k];
+    FloatStatsAccum merged;
+    merged.init();
+    for (unsigned th = 0; th < 32; ++th) {
+      threadIdx.x = th;
+      merged.merge(merge_partials<32, FloatStatsAccum>(workspace.data() + block_start[t],
+                                                     block_start[t + 1] - block_start[t]));
+    }
+    records[t] = merged;
+    ++finalized[t];
+    if (!last_to_arrive(&counters[72], static_cast<unsigned>(num_tensors))) continue;
+    for (int k = 0; k < num_tensors; ++k) early |= finalized[k] != 1;
+    ++launches_done;
+  }
+  bool right = launches_done == 1 && !early;
+  for (int t = 0; t < num_tensors; ++t) {
+    FloatStatsAccum ref;
+    ref.init();
+    for (uint32_t v : data[t]) ref.add(v, f);
+    right &= finalized[t] == 1 && std::memcmp(&records[t], &ref, sizeof(ref)) == 0;
+  }
+  for (unsigned c : counters) right &= c == 0;
+  ++checks;
+  if (!right && ++failures <= 10) {
+    std::printf("MISMATCH launch round %d: %d tensors, %d blocks, launch completed %d times%s\n", round, num_tensors,
+                blocks, launches_done, early ? ", a step ran before its inputs were all written" : "");
+  }
+}
+
+int main() {
+  run_strided<Float32Element>("float32");
+  run_strided<Float16Element>("float16");
+  run_strided<Float8E5M2Element>("float8_e5m2");
+  run_strided<Float64Element>("float64");
+  std::vector<unsigned> counters(73, 0);  // zeroed once, reused by every launch
+  for (int round = 0; round < 400; ++round) run_launch(counters, round);
+  std::printf("checked %ld scans and launches, %d mismatches\n", checks, failures);
+  return failures == 0 ? 0 : 1;
+}
+"""
+
+
+def _run_emulation(tmp_path, name, source_text):
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
-        pytest.skip("no C++ compiler (c++/g++, or CXX) to compile the device scanning logic for the host")
-    source = tmp_path / "scan_emulation.cpp"
-    source.write_text(SCAN_EMULATION)
-    exe = tmp_path / "scan_emulation"
+        pytest.skip("no C++ compiler (c++/g++, or CXX) to compile the device logic for the host")
+    source = tmp_path / f"{name}.cpp"
+    source.write_text(source_text)
+    exe = tmp_path / name
     build = subprocess.run([cxx, "-std=c++17", "-O2", f"-I{ROOT / 'csrc' / 'include'}", f"-I{ROOT / 'csrc' / 'cuda'}",
                             str(source), "-o", str(exe)], capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-4000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert "0 mismatches" in run.stdout
+    assert " 0 mismatches" in run.stdout, run.stdout[-4000:]
+
+
+def test_device_scan_logic_matches_the_shared_header_on_the_host(tmp_path):
+    _run_emulation(tmp_path, "scan_emulation", SCAN_EMULATION)
+
+
+def test_strided_reads_and_launch_counters_on_the_host(tmp_path):
+    _run_emulation(tmp_path, "launch_emulation", LAUNCH_EMULATION)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -220,18 +220,95 @@ __device__ __forceinline__ void scan_chunk(const Storage* p, int64_t n, Visitor&
 }
 
 // ---------------------------------------------------------------------------------------------
+// Reading a non-dense view in place (NOTE: [strided reads]).
+
+// NOTE: [strided reads]
+// A view that the stride analysis cannot collapse to one dense span (a slice with gaps, a column,
+// an overlapping as_strided; NOTE: [layouts] in numguard/host_checks.h) is read where it lies: its
+// merged dims, innermost first, travel in the launch table, and a block maps each logical element
+// index of its chunk (row-major over the merged dims) to a memory offset. Long rows (at least one
+// element per thread) are walked row by row, the whole block on one row, so unit-stride rows keep
+// the 16-byte vector loads and the fast path; short rows take one offset per element, with 32-bit
+// division whenever the chunk's indices fit. Only a view with more merged dims than
+// kMaxStridedDims is still copied to a dense temporary first (ops_cuda.cu).
+constexpr int kMaxStridedDims = 6;
+
+struct StridedDims {
+  int64_t sizes[kMaxStridedDims];    // innermost first
+  int64_t strides[kMaxStridedDims];  // in elements, >= 0
+  int32_t dims;                      // 1..kMaxStridedDims
+};
+
+// Memory offset (elements) of index i over dims [first, dims) of L: each dim but the outermost by
+// division, the outermost by multiplication. Unrolled over kMaxStridedDims, so that L (a kernel
+// argument) is only read at constant indices.
+template <typename Index>
+__device__ __forceinline__ int64_t strided_offset(const StridedDims& L, Index i, int first) {
+  int64_t offset = 0;
+#pragma unroll
+  for (int d = 0; d < kMaxStridedDims; ++d) {
+    if (d < first || d >= L.dims) continue;
+    if (d == L.dims - 1) {
+      offset += static_cast<int64_t>(i) * L.strides[d];
+    } else {
+      const Index size = static_cast<Index>(L.sizes[d]);
+      const Index q = i / size;
+      offset += static_cast<int64_t>(i - q * size) * L.strides[d];
+      i = q;
+    }
+  }
+  return offset;
+}
+
+// Thread threadIdx.x of a block of kThreads threads scans its share of logical elements
+// [begin, begin + count) of the view at base with merged dims L.
+template <int kThreads, typename Visitor, typename Storage>
+__device__ __forceinline__ void scan_strided(const Storage* base, const StridedDims& L, int64_t begin, int64_t count,
+                                             Visitor& vis) {
+  const int64_t inner = L.sizes[0];
+  const int64_t inner_stride = L.strides[0];
+  const int tid = threadIdx.x;
+  if (inner >= kThreads) {
+    int64_t row = begin / inner;
+    int64_t col = begin - row * inner;
+    for (int64_t left = count; left > 0; ++row, col = 0) {
+      const int64_t take = inner - col < left ? inner - col : left;
+      const Storage* p = base + strided_offset<uint64_t>(L, static_cast<uint64_t>(row), 1) + col * inner_stride;
+      if (inner_stride == 1) {
+        scan_chunk<kThreads>(p, take, vis);
+      } else {
+        for (int64_t j = tid; j < take; j += kThreads) vis.scalar(p[j * inner_stride]);
+      }
+      left -= take;
+    }
+  } else if (begin + count + kThreads <= (int64_t{1} << 32)) {  // no index wraps past 2^32 - 1
+    const uint32_t end = static_cast<uint32_t>(begin + count);
+    for (uint32_t i = static_cast<uint32_t>(begin) + tid; i < end; i += kThreads) {
+      vis.scalar(base[strided_offset<uint32_t>(L, i, 0)]);
+    }
+  } else {
+    const uint64_t end = static_cast<uint64_t>(begin + count);
+    for (uint64_t i = static_cast<uint64_t>(begin) + tid; i < end; i += kThreads) {
+      vis.scalar(base[strided_offset<uint64_t>(L, i, 0)]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // The multi-tensor launch shape (NOTE: [multi-tensor table] in stats_launch.cuh).
 
 // Elements per block and number of blocks of one tensor: a large tensor spreads over about one
-// wave of blocks (`wave` blocks fit on the device at once), a small one is read by one block.
-// Chunks are whole 16-byte multiples, so every chunk of a tensor has the same alignment.
+// wave of blocks (`wave` blocks fit on the device at once), a small one is read by one block, and
+// an empty one owns one block too (which reads nothing), since a tensor's last block writes its
+// record (NOTE: [one launch per frame]). Chunks are whole 16-byte multiples, so every chunk of a
+// dense tensor has the same alignment.
 struct ChunkPlan {
   int64_t chunk;   // elements per block (>= 1)
-  int64_t blocks;  // 0 for an empty tensor
+  int64_t blocks;  // >= 1
 };
 
 inline ChunkPlan plan_chunks(int64_t numel, int64_t element_size, int64_t wave, int64_t min_chunk_bytes) {
-  if (numel <= 0) return ChunkPlan{1, 0};
+  if (numel <= 0) return ChunkPlan{1, 1};
   auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
   const int64_t bytes = numel * element_size;
   int64_t chunk_bytes = ceil_div(bytes, wave > 0 ? wave : 1);
@@ -241,8 +318,7 @@ inline ChunkPlan plan_chunks(int64_t numel, int64_t element_size, int64_t wave, 
   return ChunkPlan{chunk, ceil_div(numel, chunk)};
 }
 
-// The tensor that block b of a launch reads: the last one whose first block is <= b. Tensors that
-// own no blocks (empty ones) share their first block with the next tensor and are skipped.
+// The tensor that block b of a launch reads: the last one whose first block is <= b.
 template <typename BlockStarts>
 __device__ __forceinline__ int locate_block(const BlockStarts& block_start, int num_tensors, int32_t b) {
   int lo = 0, hi = num_tensors - 1;
@@ -255,6 +331,51 @@ __device__ __forceinline__ int locate_block(const BlockStarts& block_start, int 
     }
   }
   return lo;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Partials and the last block of a tensor (NOTE: [one launch per frame] in stats_kernels.cu).
+
+// One block's partial stats: a FloatStatsAccum or an IntStatsAccum, 64 bytes.
+constexpr int kPartialWords = 8;
+union Partial {
+  FloatStatsAccum f;
+  IntStatsAccum i;
+  unsigned long long words[kPartialWords];
+};
+static_assert(sizeof(Partial) == kPartialWords * sizeof(int64_t), "a partial is 64 bytes");
+
+// A partial another block wrote, read past this SM's L1 (after the acquire fence).
+__device__ __forceinline__ Partial load_partial(const Partial* p) {
+  Partial out;
+#pragma unroll
+  for (int w = 0; w < kPartialWords; ++w) out.words[w] = __ldcg(p->words + w);
+  return out;
+}
+
+// Thread threadIdx.x's share of the merge of `count` partials from `first`, as Accum (a
+// FloatStatsAccum or an IntStatsAccum); a block reduction of the per-thread results completes it
+// (merges are exact in any order: NOTE: [magnitude bits]).
+template <int kThreads, typename Accum>
+__device__ __forceinline__ Accum merge_partials(const Partial* first, int64_t count) {
+  Accum acc;
+  acc.init();
+  for (int64_t i = threadIdx.x; i < count; i += kThreads) {
+    const Partial p = load_partial(first + i);
+    if constexpr (std::is_same<Accum, FloatStatsAccum>::value) {
+      acc.merge(p.f);
+    } else {
+      acc.merge(p.i);
+    }
+  }
+  return acc;
+}
+
+// One arrival of `expected` at a launch counter (called by one thread per block). True for the
+// last arrival, which also wraps the counter back to zero (atomicInc's wrap-around), so a counter
+// is zero again after every launch that used it (NOTE: [launch counters] in ops_cuda.cu).
+__device__ __forceinline__ bool last_to_arrive(unsigned int* counter, unsigned int expected) {
+  return atomicInc(counter, expected - 1) == expected - 1;
 }
 
 }  // namespace device

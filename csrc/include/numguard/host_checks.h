@@ -206,7 +206,8 @@ inline void check_on_ring_device(at::TensorList xs, const at::Tensor& ring) {
 // address memory as one are merged. A non-overlapping and dense tensor (contiguous, transposed,
 // channels_last, any permutation) collapses to one dim of stride 1: the dense span of `numel`
 // elements from its data pointer. Anything else (slices with gaps, overlapping views) keeps its
-// merged dims; the CPU walks them in place, the CUDA ops copy them once to a contiguous temporary.
+// merged dims and is walked in place too: by the CPU kernels, and by the CUDA kernel up to its
+// kMaxStridedDims merged dims (NOTE: [strided reads] in csrc/cuda/stats_device.cuh).
 struct StrideLayout {
   int64_t numel = 0;   // elements visited (stride-0 dims excluded)
   int64_t repeat = 1;  // product of the sizes of stride-0 dims
