@@ -6,18 +6,22 @@ on each output measures the gradient flowing into it (quantity "grad_output"):
 
 - float8_e4m3fn / float8_e5m2: one per-tensor scale, ``fmax / amax`` of the tensor as it is now
   (Transformer Engine's current scaling; one float32 step lower where the quotient rounded up and
-  would saturate amax itself; 1 when amax is 0 or not finite, a batch that trips anyway). The tensor is scaled on the device and measured at scale 1: the native CPU kernel
-  takes its scale as a host number, and reading a device amax there would wait for the device.
-  The squared error is divided back by scale^2 (the float32 product x * scale is the only
-  rounding that differs from quant_stats(x, format, scale), far below a float8 step);
+  would saturate amax itself; 1 when amax is 0 or not finite, a batch that trips anyway). The
+  tensor is measured as v = x * scale at scale 1 and the squared error divided back by scale^2
+  (the float32 product x * scale is the only rounding that differs from quant_stats(x, format,
+  scale), far below a float8 step);
 - mxfp8_* and nvfp4: their own block scales (numguard.quant_stats with scale=None; nvfp4's
   global scale is its current amax).
 
-The tensors of one call go through ``multi_tensor_quant_stats`` together and their records are
-added, on the device, into the module's running sums (non-zero, underflow and saturated counts,
-squared error); element and batch counts are host numbers the hook knows. Nothing is read back
-until ``table()`` (``insp.quant_table()``, ``advice()``, the history of a dump). Records are
-summed per call, not per batch: holding a batch's activations to its end would cost their memory.
+The tensors of one call are measured by one native call (``numguard::quant_watch_``: the amax,
+the scale and the record of each tensor in the kernels, no torch operation per tensor, no host
+sync), which also adds the records into the module's running sums on the device (non-zero,
+underflow and saturated counts, squared error); element and batch counts are host numbers the
+hook knows. Where the native kernels do not serve the device (or for float64 and tensor
+subclasses) the same numbers come from torch operations and ``multi_tensor_quant_stats``.
+Nothing is read back until ``table()`` (``insp.quant_table()``, ``advice()``, the history of a
+dump). Records are summed per call, not per batch: holding a batch's activations to its end
+would cost their memory.
 
 numguard's own failure here warns once and stops this feature; the NaN/Inf watch goes on.
 """
@@ -28,7 +32,8 @@ import weakref
 import torch
 
 from .. import quant as _quant
-from ..schema import QUANT_FORMATS, Q_NONFINITE, Q_NONZERO, Q_SATURATED, Q_SQ_ERROR, Q_UNDERFLOW
+from ..schema import (QUANT_FORMATS, Q_AMAX, Q_NONFINITE, Q_NONZERO, Q_SATURATED, Q_SCALE_EXP_MAX, Q_SCALE_EXP_MIN,
+                      Q_SQ_ERROR, Q_UNDERFLOW)
 from .features import Feature
 from .rerun import output_tensors
 
@@ -77,6 +82,8 @@ class QuantWatch(Feature):
         self.sums = {}       # device -> float64[capacity, _SUMMED]
         self._fmax = {}      # device -> the format's max, 0-dim float32
         self.seen = {}       # id(tensor) -> (weak ref, version, record): measured in this batch
+        self.code = _quant.FORMAT_CODES[format]
+        self.native = None   # device -> whether quant_watch_'s kernels serve it
         self.backward = bool(inspector.options.backward)
         for owner in inspector._owners:
             module = owner.ref() if owner.ref is not None else None
@@ -109,52 +116,70 @@ class QuantWatch(Feature):
                     self._stop(exc)
         return quant_grad_hook
 
-    def measure(self, tensors):
+    def measure(self, tensors, into=None):
         """float64[len(tensors), len(QUANT_FIELDS)]: the records of `tensors` under current
-        scaling (the module docstring), on the first tensor's device."""
+        scaling (the module docstring), on the first tensor's device. `into`: (sums, row), whose
+        row also gets the records' leading fields added."""
         tensors = [t.detach() for t in tensors]
+        device = tensors[0].device
+        if self._native(tensors, device):
+            if into is None:
+                into = (torch.zeros((1, _SUMMED), dtype=torch.float64, device=device), 0)
+            return torch.ops.numguard.quant_watch_.default(into[0], into[1], tensors, self.code)
+        records = self._measure_with_torch(tensors, device)
+        if into is not None:
+            into[0][into[1]] += records[:, :_SUMMED].sum(dim=0)
+        return records
+
+    def _native(self, tensors, device):
+        """Whether quant_watch_'s kernels take `tensors` as they are."""
+        if self.native is None:
+            self.native = {}
+        serves = self.native.get(device)
+        if serves is None:
+            serves = self.native[device] = _quant.native_serves("quant_watch_", device)
+        return serves and all(type(t) is torch.Tensor and t.dtype in _quant.NATIVE_DTYPES and t.device == device
+                              for t in tensors)
+
+    def _measure_with_torch(self, tensors, device):
         if self.spec.scale != "tensor":
             return _quant.multi_tensor_quant_stats(tensors, self.format)
-        device = tensors[0].device
         fmax = self._fmax.get(device)
         if fmax is None:
             fmax = self._fmax[device] = torch.full((), self.spec.element_max, dtype=torch.float32, device=device)
         scales = [current_scale(t, fmax) for t in tensors]
         scaled = [t.to(torch.float32) * s for t, s in zip(tensors, scales)]
         records = _quant.multi_tensor_quant_stats(scaled, self.format)
-        records[:, Q_SQ_ERROR] /= torch.stack(scales).to(torch.float64).square().to(records.device)
+        scales = torch.stack(scales).to(records.device)
+        records[:, Q_SQ_ERROR] /= scales.to(torch.float64).square()
+        # the record of x itself (as quant_watch_ gives it): its own amax, the scale's exponent
+        records[:, Q_AMAX] = torch.stack([_quant.quant_stats(t, self.format)[Q_AMAX] for t in tensors]).to(records.device)
+        records[:, Q_SCALE_EXP_MIN] = records[:, Q_SCALE_EXP_MAX] = (torch.frexp(scales)[1] - 1).to(torch.float64)
         return records
 
-    def _summed(self, tensors):
-        """The summed leading fields of the records of `tensors`. A tensor measured earlier in the
-        batch and unchanged since (the root returns its last child's output; a block returns
-        its last layer's) is not measured again: the kernel is the cost of this feature."""
-        records, fresh = [], []
-        for t in tensors:
+    def _add(self, owner, quantity, tensors):
+        row = self.rows.get((owner.index, quantity))
+        index = len(self.rows) if row is None else row.index  # a new row is kept once measured
+        device = tensors[0].device
+        sums = self.sums.get(device)
+        if sums is None or sums.shape[0] <= index:
+            grown = torch.zeros((max(16, 2 * (index + 1)), _SUMMED), dtype=torch.float64, device=device)
+            if sums is not None:
+                grown[:sums.shape[0]] = sums
+            sums = self.sums[device] = grown
+        fresh = []
+        for t in tensors:  # measured earlier in the batch and unchanged since: its record again
             hit = self.seen.get(id(t))
             if hit is not None and hit[0]() is t and hit[1] == t._version:
-                records.append(hit[2])
+                sums[index] += hit[2]
             else:
                 fresh.append(t)
         if fresh:
-            measured = self.measure(fresh)[:, :_SUMMED]
+            measured = self.measure(fresh, into=(sums, index))[:, :_SUMMED]
             for t, record in zip(fresh, measured):
                 self.seen[id(t)] = (weakref.ref(t), t._version, record)
-            records.extend(measured)
-        return records[0] if len(records) == 1 else torch.stack(records).sum(dim=0)
-
-    def _add(self, owner, quantity, tensors):
-        record = self._summed(tensors)
-        row = self.rows.get((owner.index, quantity))
         if row is None:
-            row = self.rows[(owner.index, quantity)] = _Row(len(self.rows), owner.name, quantity)
-        sums = self.sums.get(record.device)
-        if sums is None or sums.shape[0] <= row.index:
-            grown = torch.zeros((max(16, 2 * len(self.rows)), _SUMMED), dtype=torch.float64, device=record.device)
-            if sums is not None:
-                grown[:sums.shape[0]] = sums
-            sums = self.sums[record.device] = grown
-        sums[row.index] += record
+            row = self.rows[(owner.index, quantity)] = _Row(index, owner.name, quantity)
         row.elements += sum(t.numel() for t in tensors)
         if row.last_batch != self.batch:
             row.last_batch = self.batch
@@ -173,6 +198,7 @@ class QuantWatch(Feature):
 
     def device_moved(self, device):
         self.seen.clear()
+        self.native = None
         self.rows.clear()
         self.sums.clear()
         self._fmax.clear()
