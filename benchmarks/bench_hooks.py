@@ -123,7 +123,10 @@ class CastAndRead:
         self.stats = []
 
         def hook(module, args, output):
-            outs = output if isinstance(output, (tuple, list)) else getattr(output, "values", lambda: [output])()
+            if isinstance(output, torch.Tensor):
+                outs = [output]
+            else:
+                outs = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else []
             for t in outs:
                 if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()):
                     continue
