@@ -5,7 +5,8 @@ Conditions (interleaved round-robin, medians): no hooks / an empty forward hook 
 check="async" / numguard check_every=10 / numguard backward=True (training only, when available)
 / numguard ops=True (training only) / numguard replay=True / numguard spikes=True (also with
 backward=True) / numguard quant=float8_e4m3fn and quant=mxfp8_e4m3 (float8 also with backward=True)
-/ Transformers' DebugUnderflowOverflow /
+/ a torch reference of Transformer Engine's float8 statistics (cast, compare, .item() per tensor
+on every module's outputs, without numguard) / Transformers' DebugUnderflowOverflow /
 torch.autograd.detect_anomaly. Models: a stack of 200 Linear(4, 4) (host cost per module call),
 random-init GPT-2 (~1M and ~14M parameters) and T5 (~13M), CPU, one thread. Steps: forward only
 (no_grad) and
@@ -112,6 +113,37 @@ class Watch:
         self.insp.close(check=False)
 
 
+class CastAndRead:
+    """What Transformer Engine's debug statistics do for a float8 what-if (LogFp8TensorStats:
+    underflow %, overflow %, MSE): on every module's floating outputs, current scale, cast to
+    float8_e4m3fn and back, compare, and read each statistic back to the host with .item()."""
+
+    def __init__(self, model):
+        fmax = torch.finfo(torch.float8_e4m3fn).max
+        self.stats = []
+
+        def hook(module, args, output):
+            if isinstance(output, torch.Tensor):
+                outs = [output]
+            else:
+                outs = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else []
+            for t in outs:
+                if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()):
+                    continue
+                t = t.detach().float()
+                scale = fmax / t.abs().amax().clamp(min=1e-30)
+                q = (t * scale).clamp(-fmax, fmax).to(torch.float8_e4m3fn).float() / scale
+                nonzero = (t != 0).sum().clamp(min=1)
+                self.stats.append((((q == 0) & (t != 0)).sum() / nonzero).item())
+                self.stats.append(((t * scale).abs() > fmax).sum().item())
+                self.stats.append((q - t).square().mean().item())
+        self.handles = [m.register_forward_hook(hook) for m in model.modules()]
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
 class Nothing:
     def __init__(self, model):
         pass
@@ -161,6 +193,7 @@ def conditions(training):
     if training and have_backward():
         out.append(("numguard backward=True spikes=True", lambda m: Watch(m, backward=True, spikes=True)))
     out.append(("numguard quant=float8_e4m3fn", lambda m: Watch(m, quant="float8_e4m3fn")))
+    out.append(("torch cast+compare+.item() float8_e4m3fn", CastAndRead))
     out.append(("numguard quant=mxfp8_e4m3", lambda m: Watch(m, quant="mxfp8_e4m3")))
     if training and have_backward():
         out.append(("numguard backward=True quant=float8_e4m3fn",
@@ -304,15 +337,22 @@ def main():
         rows += bench_model(name.strip(), args.reps, args.steps, args.sync_steps, only)
         if args.advise:
             advise_rows.append(bench_advise(name.strip()))
-    header = (f"{'model':9} {'params':>7} {'step':7} {'condition':36} {'wall ms':>8} {'ratio':>6} "
+    header = (f"{'model':9} {'params':>7} {'step':7} {'condition':42} {'wall ms':>8} {'ratio':>6} "
               f"{'cpu ms':>8} {'ratio':>6} {'syncs/step':>10}")
     print("medians over interleaved repetitions; ratio = condition / no hooks (wall clock and this thread's CPU time)")
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['model']:9} {r['params'] / 1e6:6.1f}M {r['step']:7} {r['condition']:36} "
+        print(f"{r['model']:9} {r['params'] / 1e6:6.1f}M {r['step']:7} {r['condition']:42} "
               f"{r['median_s'] * 1e3:8.2f} {r['ratio']:6.2f} {r['cpu_median_s'] * 1e3:8.2f} {r['cpu_ratio']:6.2f} "
               f"{r['syncs_per_step']:10.1f}")
+    plain = {(r["model"], r["step"], "backward=True" in r["condition"]): r for r in rows
+             if r["condition"] in ("numguard", "numguard backward=True")}
+    for r in rows:  # the what-if's cost over the watch it rides on (issue 24's target: <= 1.05x)
+        base = plain.get((r["model"], r["step"], "backward=True" in r["condition"]))
+        if base is not None and ("quant=" in r["condition"] or r["condition"].startswith("torch cast")):
+            print(f"{r['model']} {r['step']}: {r['condition']} / {base['condition']}: wall "
+                  f"{r['median_s'] / base['median_s']:.2f}x, CPU {r['cpu_median_s'] / base['cpu_median_s']:.2f}x")
     for r in advise_rows:
         print(f"advise on a dump of {r['model']} ({r['modules']} modules, {r['batches']} batches of history, "
               f"{r['dump_bytes'] / 1e6:.1f} MB): load + advise + render {r['advise_s'] * 1e3:.0f} ms median, "

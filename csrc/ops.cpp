@@ -28,9 +28,15 @@ TORCH_LIBRARY(numguard, m) {
   m.def("record_(Tensor(a!) ring, Tensor(b!) state, Tensor[] xs, int position, float headroom, int context=0) -> ()");
 
   // float64[10] record (numguard.QUANT_FIELDS) of what casting x to a low-precision format would do
-  // (format: the index of numguard.schema.QUANT_FORMATS; scale used when has_scale). CPU only:
-  // numguard.quant computes it from torch operations on other devices.
+  // (format: the index of numguard.schema.QUANT_FORMATS; scale used when has_scale). Never
+  // synchronizes with the host.
   m.def("quant_stats(Tensor x, int format, float scale, bool has_scale) -> Tensor");
+  // watch(quant=)'s measurement of one module call: the record of each of xs under the format
+  // with current scaling (per-tensor formats: fmax / amax of the tensor, v = x * scale measured
+  // at scale 1 and the squares divided by scale^2; block formats: their own scales), returned as
+  // float64[len(xs), 10], and their leading fields (nonfinite .. sq_error) added into
+  // sums[row] (float64[R, 6], on the tensors' device). Never synchronizes with the host.
+  m.def("quant_watch_(Tensor(a!) sums, int row, Tensor[] xs, int format) -> Tensor");
 
   // --- replica fingerprints (NOTE: [fingerprint] in numguard/fingerprint.h) ---
   // int64[len(xs)] on the tensors' device: the exact 64-bit digest of each tensor's bits (uint64

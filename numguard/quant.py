@@ -19,8 +19,9 @@ fp32 values are exact there, and a float64 value beyond float32's range is float
 
 Non-finite elements are counted in ``nonfinite`` and left out of everything else (a block's amax
 included). No host sync: every step is a device op, and ``scale`` may be a 0-dim tensor on the
-device. On the CPU the native kernel (csrc/cpu/quant_ops.cpp) does it; elsewhere, and for float64
-inputs, torch operations do (any device, ``torch.compile``; several passes over the tensor).
+device. The native kernels do it on the CPU (csrc/cpu/quant_ops.cpp) and on CUDA
+(csrc/cuda/quant_kernels.cu); torch operations do it elsewhere, for float64 inputs and for a scale
+given as a CUDA tensor (any device, ``torch.compile``; several passes over the tensor).
 """
 from __future__ import annotations
 
@@ -111,15 +112,18 @@ def _blocks(v, size):
     return v.view(-1, size)
 
 
-_CODES = {name: code for code, name in enumerate(QUANT_FORMATS)}  # csrc QuantFormatCode, same order
-_NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+FORMAT_CODES = {name: code for code, name in enumerate(QUANT_FORMATS)}  # csrc QuantFormatCode, same order
+NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _native_op():
-    native = _ops.native_module()
-    if native is None or not hasattr(torch.ops.numguard, "quant_stats"):
-        return None
-    return torch.ops.numguard.quant_stats.default
+def native_serves(name, device):
+    """Whether the native op ``numguard::name`` has a kernel for `device` (the CPU, or CUDA when
+    the extension was built with its CUDA kernels)."""
+    if _ops.native_module() is None or not hasattr(torch.ops.numguard, name):
+        return False
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and torch._C._dispatch_has_kernel_for_dispatch_key(f"numguard::{name}", "CUDA")
 
 
 if _ops.native_module() is not None and hasattr(torch.ops.numguard, "quant_stats"):
@@ -127,17 +131,21 @@ if _ops.native_module() is not None and hasattr(torch.ops.numguard, "quant_stats
     def _quant_stats_fake(x, format, scale, has_scale):
         return x.new_empty((len(QUANT_FIELDS),), dtype=torch.float64)
 
+if _ops.native_module() is not None and hasattr(torch.ops.numguard, "quant_watch_"):
+    @torch.library.register_fake("numguard::quant_watch_")
+    def _quant_watch_fake(sums, row, xs, format):
+        return sums.new_empty((len(xs), len(QUANT_FIELDS)))
+
 
 def quant_stats(x: torch.Tensor, format: str, scale=None) -> torch.Tensor:
     """float64[len(QUANT_FIELDS)] on x.device: what casting `x` to `format` would do (module
     docstring). Raises ValueError / TypeError naming a bad format, dtype or scale."""
     spec = _check(x, format, scale)
-    op = _native_op()
-    if (op is not None and x.device.type == "cpu" and x.dtype in _NATIVE_DTYPES and type(x) is torch.Tensor
+    if (x.dtype in NATIVE_DTYPES and type(x) is torch.Tensor and native_serves("quant_stats", x.device)
             and (scale is None or not isinstance(scale, torch.Tensor) or scale.device.type == "cpu")):
-        # The CPU kernel (csrc/cpu/quant_ops.cpp): one pass per block, the same arithmetic.
+        # The native kernels: the same arithmetic (a scale on the host is read here, no sync).
         value = 1.0 if scale is None else float(scale)
-        return op(x, _CODES[format], value, scale is not None)
+        return torch.ops.numguard.quant_stats.default(x, FORMAT_CODES[format], value, scale is not None)
     return _torch_quant_stats(x, spec, scale)
 
 

@@ -104,11 +104,11 @@ from numguard import ops
 archs = ops.native_module().cuda_architectures()
 print(f"check_cuda_build: numguard imported from {numguard.__file__}; backend={numguard.backend()}; "
       f"CUDA architectures={archs}; GPU visible: {torch.cuda.is_available()}")
-missing = [op for op in ("tensor_stats", "multi_tensor_stats", "record_")
-           if not torch._C._dispatch_has_kernel_for_dispatch_key(f"numguard::{op}", "CUDA")]
+expected = ("tensor_stats", "multi_tensor_stats", "record_", "quant_stats", "quant_watch_")
+missing = [op for op in expected if not torch._C._dispatch_has_kernel_for_dispatch_key(f"numguard::{op}", "CUDA")]
 assert archs, "the extension reports no CUDA architectures"
 assert not missing, f"no CUDA kernel registered for: {missing}"
-print("check_cuda_build: CUDA kernels registered for tensor_stats, multi_tensor_stats, record_")
+print(f"check_cuda_build: CUDA kernels registered for {', '.join(expected)}")
 EOF
-"$PY" -m pytest -q -p no:cacheprovider tests/test_cuda_build.py
+"$PY" -m pytest -q -p no:cacheprovider tests/test_cuda_build.py tests/test_quant_cuda.py
 say "OK in $(elapsed "$t0")"

@@ -197,7 +197,7 @@ def test_off_by_default():
 
 
 def test_its_own_failure_warns_once_and_stops_only_the_feature(monkeypatch):
-    def broken(self, tensors):
+    def broken(self, tensors, into=None):
         raise RuntimeError("boom")
     monkeypatch.setattr(QuantWatch, "measure", broken)
     model = Healthy()
@@ -272,3 +272,30 @@ def test_each_batch_has_its_own_underflow_and_advise_draws_the_heatmap(tmp_path,
     (tmp_path / "bad.json").write_text(json.dumps(bad))
     assert cli.main(["advise", str(tmp_path / "bad.json")]) == 2
     assert "quant.rows[0].series: expected a list of 4 fractions" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(numguard.backend() != "native", reason="the native kernels are not loaded")
+@pytest.mark.parametrize("fmt", list(QUANT_FORMATS))
+def test_the_native_measurement_equals_the_torch_operations(fmt):
+    """One module call's tensors go through one native call (quant_watch_): its records and the
+    row it adds equal the torch-operations path's (sq_error to float64 rounding), on hostile
+    tensors of several dtypes and layouts."""
+    from test_quant_stats import hostile
+    torch.manual_seed(0)
+    model = Healthy()
+    insp = numguard.watch(model, report_to=None, quant=fmt)
+    feature = next(f for f in insp.features if isinstance(f, QuantWatch))
+    big = torch.randn(70_000) * torch.exp2(torch.randint(-12, 12, (70_000,))).float()
+    tensors = [hostile(torch.float32, n=300, seed=4), big.view(350, 200).t(), big.bfloat16()[:1000],
+               torch.randn(33), torch.zeros(5), hostile(torch.float16, n=90, seed=6)]
+    assert feature._native(tensors, tensors[0].device)
+    sums = torch.zeros((2, 6), dtype=torch.float64)
+    native = feature.measure(tensors, into=(sums, 1))
+    torch_path = feature._measure_with_torch([t.detach() for t in tensors], tensors[0].device)
+    keep = [i for i in range(len(QUANT_FIELDS)) if i != SQ]
+    assert torch.equal(native[:, keep], torch_path[:, keep]), (native, torch_path)
+    assert torch.allclose(native[:, SQ], torch_path[:, SQ], rtol=1e-12, atol=0)
+    assert torch.equal(sums[0], torch.zeros(6))
+    assert torch.allclose(sums[1], native[:, :6].sum(dim=0), rtol=1e-12, atol=0)
+    insp.close(check=False)
+

@@ -1,204 +1,175 @@
-// CPU kernel of numguard::quant_stats (schema: csrc/ops.cpp; meaning: numguard.quant): one pass
-// over the tensor's float32 values per block of the format (two for NVFP4, whose global scale
-// needs the tensor's amax first). The rounding is the shared header's (numguard/quant.h, NOTE:
-// [quant rounding]).
+// CPU kernel of numguard::quant_stats (schema: csrc/ops.cpp; meaning: numguard.quant). The math is
+// the shared header's (numguard/quant.h: NOTE: [quant rounding], [quant block scale]); the loops
+// are the instruction-set level's (quant_impl.inc, chosen at run time with the stats kernels':
+// dispatch.cpp, NUMGUARD_CPU_ISA).
 //
-// Chunks of whole blocks are reduced in parallel and merged in chunk order, so the record does
-// not depend on the thread count.
+// The tensor is read as float32 in chunks of kQuantChunkElements (whole sub-blocks, whole blocks),
+// reduced in parallel and merged in chunk order. Every field but sq_error is exact, and sq_error
+// is summed in an order fixed by the element indices alone (NOTE: [quant lanes]), so the record
+// is the same for any thread count and instruction-set level.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cmath>
-#include <limits>
+#include <cstring>
 #include <vector>
 
+#include "numguard/host_checks.h"
 #include "numguard/quant.h"
+#include "reduce_kernels.h"
 
 namespace numguard {
 namespace cpu {
 namespace {
 
-constexpr int kQuantFields = 10;  // numguard.schema.QUANT_FIELDS
-constexpr int64_t kChunkElements = 1 << 16;
+// Below this many elements in one call, everything runs on the calling thread.
+constexpr int64_t kQuantParallelMinElements = 1 << 17;
 
-struct QuantAccum {
-  int64_t nonfinite = 0, nonzero = 0, underflow = 0, saturated = 0, blocks = 0, saturated_blocks = 0;
-  float amax = 0.0f;
-  double sq_error = 0.0;
-  int exp_min = std::numeric_limits<int>::max();
-  int exp_max = std::numeric_limits<int>::min();
-
-  void merge(const QuantAccum& o) {
-    nonfinite += o.nonfinite;
-    nonzero += o.nonzero;
-    underflow += o.underflow;
-    saturated += o.saturated;
-    blocks += o.blocks;
-    saturated_blocks += o.saturated_blocks;
-    amax = std::max(amax, o.amax);
-    sq_error += o.sq_error;
-    exp_min = std::min(exp_min, o.exp_min);
-    exp_max = std::max(exp_max, o.exp_max);
-  }
-
-  void note_exponent(int e) {
-    exp_min = std::min(exp_min, e);
-    exp_max = std::max(exp_max, e);
-  }
-};
-
-// One element already scaled to the element grid: `v` its scaled value, `x` its float32 value,
-// `dequant` what q maps back to (a function of q).
-template <typename Dequant>
-inline bool add_element(QuantAccum& acc, float x, float v, const QuantElement& f, Dequant dequant) {
-  const bool saturated = std::fabs(v) > f.max_value;
-  const float q = quant_round(v, f);
-  acc.saturated += saturated;
-  acc.underflow += (x != 0.0f && q == 0.0f);
-  const double d = dequant(q) - static_cast<double>(x);
-  acc.sq_error += d * d;
-  return saturated;
+// How a per-tensor scale reaches v (QuantRun::Float8Mode).
+int float8_mode(float scale) {
+  if (scale == 1.0f) return QuantRun::kUnitScale;
+  int exponent = 0;
+  const float mantissa = std::frexp(scale, &exponent);
+  // A normal power of two whose reciprocal is one too: the dequantized error (q - v) / scale is exact.
+  return mantissa == 0.5f && std::isnormal(scale) && std::isnormal(1.0f / scale) ? QuantRun::kPowerOfTwoScale
+                                                                                : QuantRun::kGeneralScale;
 }
 
-// The finite float32 value of element i (0 for NaN/Inf, which are only counted).
-inline float finite_value(const float* data, int64_t i, QuantAccum& acc) {
-  const float x = data[i];
-  if (!std::isfinite(x)) {
-    ++acc.nonfinite;
-    return 0.0f;
-  }
-  acc.nonzero += (x != 0.0f);
-  acc.amax = std::max(acc.amax, std::fabs(x));
-  return x;
+// The float32 values of x, flat in row-major order: x itself when it is a contiguous float32
+// tensor, else a converted copy.
+at::Tensor float32_values(const at::Tensor& x) {
+  return x.detach().reshape({-1}).to(at::kFloat).contiguous();
 }
 
-QuantAccum reduce_blocks(const float* data, int64_t n, int64_t first_block, int64_t last_block, int64_t block,
-                         int64_t format, float scale) {
-  QuantAccum acc;
-  const bool e5m2 = format == kQuantFloat8E5M2 || format == kQuantMxfp8E5M2;
-  for (int64_t b = first_block; b < last_block; ++b) {
-    const int64_t begin = b * block;
-    const int64_t end = std::min(n, begin + block);
-    float xs[32];
-    float bamax = 0.0f;
-    for (int64_t i = begin; i < end; ++i) {
-      xs[i - begin] = finite_value(data, i, acc);
-      bamax = std::max(bamax, std::fabs(xs[i - begin]));
-    }
-    ++acc.blocks;
-    bool block_saturated = false;
-    if (format == kQuantFloat8E4M3 || format == kQuantFloat8E5M2) {
-      const QuantElement f = e5m2 ? quant_e5m2() : quant_e4m3();
-      const double s = scale;
-      for (int64_t i = 0; i < end - begin; ++i) {
-        block_saturated |= add_element(acc, xs[i], xs[i] * scale, f, [s](float q) { return q / s; });
-      }
-    } else if (format == kQuantMxfp8E4M3 || format == kQuantMxfp8E5M2) {
-      const QuantElement f = e5m2 ? quant_e5m2() : quant_e4m3();
-      int shared = bamax > 0.0f ? floor_log2(bamax) - f.emax : -127;
-      shared = std::min(127, std::max(-127, shared));
-      acc.note_exponent(shared);
-      const float down = pow2f(-shared);
-      const double up = std::ldexp(1.0, shared);
-      for (int64_t i = 0; i < end - begin; ++i) {
-        block_saturated |= add_element(acc, xs[i], xs[i] * down, f, [up](float q) { return q * up; });
-      }
-    } else {  // NVFP4: `scale` is the global scale g
-      const QuantElement f = quant_e2m1();
-      const float s = quant_round(std::min(bamax * scale / 6.0f, 448.0f), quant_e4m3());
-      if (s > 0.0f) acc.note_exponent(floor_log2(s));
-      const double back = static_cast<double>(s) / static_cast<double>(scale);
-      for (int64_t i = 0; i < end - begin; ++i) {
-        const float v = s > 0.0f ? xs[i] * scale / s : 0.0f;
-        const double sd = s, gd = scale;
-        block_saturated |= add_element(acc, xs[i], v, f, [sd, gd](float q) { return q * sd / gd; });
-      }
-      (void)back;
-    }
-    acc.saturated_blocks += block_saturated;
+// reduce(lo, hi) over the chunks of n elements: on the calling thread for small inputs, else on
+// at::parallel_for (each chunk fills its own partial; the caller merges them in order).
+template <typename Reduce>
+void over_chunks(int64_t n, int64_t chunks, const Reduce& reduce) {
+  if (n < kQuantParallelMinElements || chunks <= 1) {
+    reduce(0, chunks);
+  } else {
+    at::parallel_for(0, chunks, 1, reduce);
   }
-  return acc;
+}
+
+// The record of n float32 values under `run`, in chunks on at::parallel_for, merged in order.
+QuantAccum quant_reduce(const float* data, int64_t n, const QuantRun& run) {
+  QuantAccum total;
+  total.init();
+  if (n == 0) return total;
+  const int64_t chunks = (n + kQuantChunkElements - 1) / kQuantChunkElements;
+  std::vector<QuantPartial> parts(chunks);
+  const KernelTable& kernels = active_kernels();
+  auto reduce = [&](int64_t lo, int64_t hi) {
+    for (int64_t c = lo; c < hi; ++c) {
+      const int64_t begin = c * kQuantChunkElements;
+      const int64_t len = std::min(n - begin, kQuantChunkElements);
+      parts[c].init();
+      kernels.quant(data + begin, len, run, parts[c]);
+    }
+  };
+  over_chunks(n, chunks, reduce);
+  bool saturated = false;
+  for (int64_t c = 0; c < chunks; ++c) {  // chunk order
+    parts[c].acc.sq_error = parts[c].lane_sum();
+    saturated |= parts[c].acc.saturated_blocks > 0;
+    total.merge(parts[c].acc);
+  }
+  if (quant_per_tensor(run.format)) {  // one block of any size, one scale
+    total.blocks = 1;
+    total.saturated_blocks = saturated;
+    total.exp_min = total.exp_max = floor_log2(run.scale);
+    if (run.mode == QuantRun::kPrescaled) {  // the squares back in x's units
+      const double s = static_cast<double>(run.scale);
+      total.sq_error = total.sq_error / (s * s);
+    }
+  }
+  return total;
+}
+
+// The largest finite |x| of n float32 values (0 when there is none), by the stats kernel of the
+// active level; `any_nonfinite`: whether a NaN or Inf was seen.
+float finite_amax(const float* data, int64_t n, bool* any_nonfinite) {
+  FloatStatsAccum acc;
+  acc.init();
+  const int64_t chunks = (n + kQuantChunkElements - 1) / kQuantChunkElements;
+  std::vector<FloatStatsAccum> parts(chunks);
+  const KernelTable& kernels = active_kernels();
+  auto reduce = [&](int64_t lo, int64_t hi) {
+    for (int64_t c = lo; c < hi; ++c) {
+      const int64_t begin = c * kQuantChunkElements;
+      parts[c].init();
+      kernels.float32(reinterpret_cast<const uint32_t*>(data + begin), std::min(n - begin, kQuantChunkElements),
+                      kFloat32Format, parts[c]);
+    }
+  };
+  over_chunks(n, chunks, reduce);
+  for (int64_t c = 0; c < chunks; ++c) acc.merge(parts[c]);
+  *any_nonfinite = acc.nan + acc.pos_inf + acc.neg_inf > 0;
+  const uint32_t bits = static_cast<uint32_t>(acc.max_abs);  // magnitude bits; 0 when no finite value
+  float amax;
+  std::memcpy(&amax, &bits, sizeof amax);
+  return amax;
+}
+
+// quant_stats' parameters (NVFP4 without a scale: g from the tensor's amax, one more pass).
+QuantRun make_quant_run(int64_t format, double scale, bool has_scale, const float* data, int64_t n) {
+  QuantRun run{};
+  run.format = format;
+  run.f = quant_element(format);
+  run.scale = 1.0f;
+  run.mode = QuantRun::kUnitScale;
+  if (quant_per_tensor(format)) {
+    run.scale = static_cast<float>(has_scale ? scale : 1.0);
+    run.mode = float8_mode(run.scale);
+  } else if (format == kQuantNvfp4) {
+    bool any_nonfinite = false;
+    run.scale = has_scale ? static_cast<float>(scale) : nvfp4_global_scale(finite_amax(data, n, &any_nonfinite));
+  }
+  return run;
+}
+
+// watch(quant=)'s measurement of one tensor: current scaling for the per-tensor formats.
+QuantRun make_watch_run(int64_t format, const float* data, int64_t n) {
+  if (!quant_per_tensor(format)) return make_quant_run(format, 1.0, false, data, n);
+  QuantRun run = make_quant_run(format, 1.0, false, data, n);
+  bool any_nonfinite = false;
+  const float amax = finite_amax(data, n, &any_nonfinite);
+  run.scale = quant_current_scale(amax, any_nonfinite, run.f.max_value);
+  run.mode = QuantRun::kPrescaled;
+  return run;
 }
 
 at::Tensor quant_stats_cpu(const at::Tensor& x, int64_t format, double scale, bool has_scale) {
   TORCH_CHECK_VALUE(format >= kQuantFloat8E4M3 && format <= kQuantNvfp4, "numguard: unknown quant format code ",
                     format);
-  const at::Tensor values = x.detach().reshape({-1}).to(at::kFloat).contiguous();
+  const at::Tensor values = float32_values(x);
   const float* data = values.const_data_ptr<float>();
   const int64_t n = values.numel();
-  const bool per_tensor = format == kQuantFloat8E4M3 || format == kQuantFloat8E5M2;
-  const int64_t block = per_tensor ? std::max<int64_t>(n, 1) : (format == kQuantNvfp4 ? 16 : 32);
-  float s = per_tensor ? static_cast<float>(has_scale ? scale : 1.0) : 1.0f;
-  if (format == kQuantNvfp4) {
-    if (has_scale) {
-      s = static_cast<float>(scale);
-    } else {
-      float amax = 0.0f;
-      for (int64_t i = 0; i < n; ++i) {
-        if (std::isfinite(data[i])) amax = std::max(amax, std::fabs(data[i]));
-      }
-      s = amax > 0.0f ? 2688.0f / amax : 1.0f;  // 448 * 6 / amax, in float32
-    }
-  }
-  const int64_t num_blocks = n == 0 ? 0 : (n + block - 1) / block;
-  QuantAccum total;
-  if (per_tensor) {
-    // One block of any size: chunks of elements, merged in order (the block counted once).
-    const int64_t chunks = (n + kChunkElements - 1) / kChunkElements;
-    std::vector<QuantAccum> parts(std::max<int64_t>(chunks, 1));
-    at::parallel_for(0, chunks, 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t c = lo; c < hi; ++c) {
-        const int64_t begin = c * kChunkElements;
-        const int64_t end = std::min(n, begin + kChunkElements);
-        QuantAccum& acc = parts[c];
-        const QuantElement f = format == kQuantFloat8E5M2 ? quant_e5m2() : quant_e4m3();
-        const double sd = s;
-        bool sat = false;
-        for (int64_t i = begin; i < end; ++i) {
-          const float xv = finite_value(data, i, acc);
-          sat |= add_element(acc, xv, xv * s, f, [sd](float q) { return q / sd; });
-        }
-        acc.saturated_blocks = sat;
-      }
-    });
-    bool any_saturated = false;
-    for (int64_t c = 0; c < chunks; ++c) {
-      any_saturated |= parts[c].saturated_blocks > 0;
-      parts[c].saturated_blocks = 0;
-      total.merge(parts[c]);
-    }
-    if (n > 0) {
-      total.blocks = 1;
-      total.saturated_blocks = any_saturated;
-      total.note_exponent(floor_log2(s));
-    }
-  } else {
-    const int64_t per_chunk = kChunkElements / block;
-    const int64_t chunks = (num_blocks + per_chunk - 1) / per_chunk;
-    std::vector<QuantAccum> parts(std::max<int64_t>(chunks, 1));
-    at::parallel_for(0, chunks, 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t c = lo; c < hi; ++c) {
-        parts[c] = reduce_blocks(data, n, c * per_chunk, std::min(num_blocks, (c + 1) * per_chunk), block, format, s);
-      }
-    });
-    for (int64_t c = 0; c < chunks; ++c) total.merge(parts[c]);
-  }
-  at::Tensor out = at::empty({kQuantFields}, x.options().dtype(at::kDouble).device(at::kCPU));
+  const QuantRun run = make_quant_run(format, scale, has_scale, data, n);
+  const QuantAccum total = quant_reduce(data, n, run);
+  at::Tensor out = at::empty({kNumQuantFields}, x.options().dtype(at::kDouble).device(at::kCPU));
   double* o = out.mutable_data_ptr<double>();
-  const double inf = std::numeric_limits<double>::infinity();
-  o[0] = static_cast<double>(total.nonfinite);
-  o[1] = static_cast<double>(total.nonzero);
-  o[2] = static_cast<double>(total.underflow);
-  o[3] = static_cast<double>(total.saturated);
-  o[4] = static_cast<double>(total.amax);
-  o[5] = total.sq_error;
-  o[6] = static_cast<double>(total.blocks);
-  o[7] = static_cast<double>(total.saturated_blocks);
-  o[8] = total.exp_min == std::numeric_limits<int>::max() ? inf : static_cast<double>(total.exp_min);
-  o[9] = total.exp_max == std::numeric_limits<int>::min() ? -inf : static_cast<double>(total.exp_max);
+  total.write(o);
   return out;
+}
+
+at::Tensor quant_watch_cpu(const at::Tensor& sums, int64_t row, at::TensorList xs, int64_t format) {
+  TORCH_CHECK_VALUE(format >= kQuantFloat8E4M3 && format <= kQuantNvfp4, "numguard: unknown quant format code ",
+                    format);
+  check_quant_watch_args(sums, row, xs);
+  at::Tensor records = at::empty({static_cast<int64_t>(xs.size()), kNumQuantFields}, sums.options());
+  double* out = records.mutable_data_ptr<double>();
+  double* sums_row = sums.mutable_data_ptr<double>() + row * kQuantSummedFields;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const at::Tensor values = float32_values(xs[i]);
+    const float* data = values.const_data_ptr<float>();
+    const int64_t n = values.numel();
+    quant_reduce(data, n, make_watch_run(format, data, n)).write(out + i * kNumQuantFields);
+    quant_add_to_sums(sums_row, out + i * kNumQuantFields);
+  }
+  return records;
 }
 
 }  // namespace
@@ -207,4 +178,5 @@ at::Tensor quant_stats_cpu(const at::Tensor& x, int64_t format, double scale, bo
 
 TORCH_LIBRARY_IMPL(numguard, CPU, m) {
   m.impl("quant_stats", &numguard::cpu::quant_stats_cpu);
+  m.impl("quant_watch_", &numguard::cpu::quant_watch_cpu);
 }

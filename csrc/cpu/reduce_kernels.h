@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "numguard/quant.h"
 #include "numguard/stats_reduce.h"
 
 namespace numguard {
@@ -40,6 +41,45 @@ constexpr int64_t kParallelMinBytes = 512 * 1024;
 constexpr int64_t kDirectRunElements = 256;
 constexpr int64_t kGatherBytes = 16 * 1024;
 
+// quant_stats (quant_impl.inc): a chunk is split into sub-blocks of kQuantSubBlock elements, and
+// squares are summed in kQuantLanes lanes (NOTE: [quant lanes]). Chunks hold whole sub-blocks
+// (and so whole MX and NVFP4 blocks).
+constexpr int64_t kQuantLanes = 16;
+constexpr int64_t kQuantSubBlock = 256;
+constexpr int64_t kQuantChunkElements = 1 << 16;
+static_assert(kQuantChunkElements % kQuantSubBlock == 0 && kQuantSubBlock % 32 == 0, "whole blocks per chunk");
+
+// One tensor's quant_stats parameters, as the kernels take them.
+struct QuantRun {
+  // How v comes from x for the per-tensor formats: scale 1; a power-of-two scale (dequantized
+  // errors exact); any other scale (the element-by-element reference); or v = x * scale measured
+  // at scale 1, the squares divided by scale^2 by the op (watch(quant=)'s current scaling).
+  enum Float8Mode : int { kUnitScale, kPowerOfTwoScale, kGeneralScale, kPrescaled };
+  int64_t format;
+  QuantElement f;
+  float scale;  // float8: the per-tensor scale; NVFP4: the global scale g; MX: unused
+  int mode;     // Float8Mode (per-tensor formats)
+};
+
+// A chunk's partial record, its squares still in lanes.
+struct QuantPartial {
+  QuantAccum acc;
+  double lanes[kQuantLanes];
+  void init() {
+    acc.init();
+    for (double& lane : lanes) lane = 0.0;
+  }
+  // The chunk's sum of squares: its lanes added pairwise in a fixed tree (NOTE: [quant lanes]).
+  double lane_sum() const {
+    double s[kQuantLanes];
+    for (int j = 0; j < kQuantLanes; ++j) s[j] = lanes[j];
+    for (int width = kQuantLanes / 2; width > 0; width /= 2) {
+      for (int j = 0; j < width; ++j) s[j] = s[j] + s[j + width];
+    }
+    return s[0];
+  }
+};
+
 // Contiguous-run kernels of one instruction-set level. Floating kernels take the raw bits.
 struct KernelTable {
   const char* isa;
@@ -56,6 +96,9 @@ struct KernelTable {
   void (*uint32)(const uint32_t* p, int64_t n, IntStatsAccum& acc);
   void (*uint64)(const uint64_t* p, int64_t n, IntStatsAccum& acc);
   void (*boolean)(const uint8_t* p, int64_t n, IntStatsAccum& acc);  // any non-zero byte is true (1)
+  // quant_stats of one chunk of float32 values (p: its first element, at a multiple of
+  // kQuantSubBlock from the tensor's start; n <= kQuantChunkElements), into `out` (initialized).
+  void (*quant)(const float* p, int64_t n, const QuantRun& run, QuantPartial& out);
 };
 
 const KernelTable& baseline_kernels();

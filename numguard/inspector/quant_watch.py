@@ -13,11 +13,15 @@ on each output measures the gradient flowing into it (quantity "grad_output"):
 - mxfp8_* and nvfp4: their own block scales (numguard.quant_stats with scale=None; nvfp4's
   global scale is its current amax).
 
-The tensors of one call go through ``multi_tensor_quant_stats`` together and their records are
-added, on the device, into the module's running sums (non-zero, underflow and saturated counts,
-squared error); element and batch counts are host numbers the hook knows. Nothing is read back
-until ``table()`` (``insp.quant_table()``, ``advice()``, the history of a dump). Records are
-summed per call, not per batch: holding a batch's activations to its end would cost their memory.
+The tensors of one call are measured by one native call (``numguard::quant_watch_``: the amax,
+the scale and the record of each tensor in the kernels, no torch operation per tensor, no host
+sync), which also adds the records into the module's running sums on the device (non-zero,
+underflow and saturated counts, squared error); element and batch counts are host numbers the
+hook knows. Where the native kernels do not serve the device (or for float64 and tensor
+subclasses) the same numbers come from torch operations and ``multi_tensor_quant_stats``.
+Nothing is read back until ``table()`` (``insp.quant_table()``, ``advice()``, the history of a
+dump). Records are summed per call, not per batch: holding a batch's activations to its end
+would cost their memory.
 
 A real float8 tensor among them (a float8 dtype, or a wrapper carrying float8 data and a scale,
 torchao's float8 training tensor; numguard.float8) is not a what-if: the cast was made. Its row
@@ -36,7 +40,8 @@ import torch
 
 from .. import quant as _quant
 from ..float8 import float8_parts, real_quant_stats
-from ..schema import QUANT_FORMATS, Q_AMAX, Q_NONFINITE, Q_NONZERO, Q_SATURATED, Q_SQ_ERROR, Q_UNDERFLOW
+from ..schema import (QUANT_FORMATS, Q_AMAX, Q_NONFINITE, Q_NONZERO, Q_SATURATED, Q_SCALE_EXP_MAX, Q_SCALE_EXP_MIN,
+                      Q_SQ_ERROR, Q_UNDERFLOW)
 from .features import Feature
 from .graph import warn_graph_blind
 from .history import WINDOW
@@ -91,6 +96,8 @@ class QuantWatch(Feature):
         self.sums = {}       # device -> float64[capacity, _SUMMED]
         self._fmax = {}      # device -> the format's max, 0-dim float32
         self.seen = {}       # id(tensor) -> (weak ref, version, record): measured in this batch
+        self.code = _quant.FORMAT_CODES[format]
+        self.native = None   # device -> whether quant_watch_'s kernels serve it
         # (last batch in, {device: float64[capacity, 2]}): the non-zero and underflow sums as they
         # stood at each batch's start, for the per-batch series (one small device copy a batch)
         self.snapshots = collections.deque(maxlen=WINDOW + 1)
@@ -133,43 +140,52 @@ class QuantWatch(Feature):
                     self._stop(exc)
         return quant_grad_hook
 
-    def measure(self, tensors):
+    def measure(self, tensors, into=None):
         """float64[len(tensors), len(QUANT_FIELDS)]: the records of `tensors` under current
-        scaling (the module docstring), on the first tensor's device."""
+        scaling (the module docstring), on the first tensor's device. `into`: (sums, row), whose
+        row also gets the records' leading fields added."""
         tensors = [t.detach() for t in tensors]
+        device = tensors[0].device
+        if self._native(tensors, device):
+            if into is None:
+                into = (torch.zeros((1, _SUMMED), dtype=torch.float64, device=device), 0)
+            return torch.ops.numguard.quant_watch_.default(into[0], into[1], tensors, self.code)
+        records = self._measure_with_torch(tensors, device)
+        if into is not None:
+            into[0][into[1]] += records[:, :_SUMMED].sum(dim=0)
+        return records
+
+    def _native(self, tensors, device):
+        """Whether quant_watch_'s kernels take `tensors` as they are."""
+        if self.native is None:
+            self.native = {}
+        serves = self.native.get(device)
+        if serves is None:
+            serves = self.native[device] = _quant.native_serves("quant_watch_", device)
+        return serves and all(type(t) is torch.Tensor and t.dtype in _quant.NATIVE_DTYPES and t.device == device
+                              for t in tensors)
+
+    def _measure_with_torch(self, tensors, device):
         if self.spec.scale != "tensor":
             return _quant.multi_tensor_quant_stats(tensors, self.format)
-        device = tensors[0].device
         fmax = self._fmax.get(device)
         if fmax is None:
             fmax = self._fmax[device] = torch.full((), self.spec.element_max, dtype=torch.float32, device=device)
-        amaxes = [t.abs().amax().to(torch.float32) for t in tensors]
-        scales = [current_scale(t, fmax, a) for t, a in zip(tensors, amaxes)]
+        scales = [current_scale(t, fmax) for t in tensors]
         scaled = [t.to(torch.float32) * s for t, s in zip(tensors, scales)]
         records = _quant.multi_tensor_quant_stats(scaled, self.format)
-        records[:, Q_SQ_ERROR] /= torch.stack(scales).to(torch.float64).square().to(records.device)
-        # The tensors' own amax, not the scaled ones' (0 when not finite: that batch trips)
-        records[:, Q_AMAX] = torch.nan_to_num(torch.stack(amaxes).to(torch.float64), 0.0, 0.0, 0.0).to(records.device)
+        scales = torch.stack(scales).to(records.device)
+        records[:, Q_SQ_ERROR] /= scales.to(torch.float64).square()
+        # the record of x itself (as quant_watch_ gives it): its own amax, the scale's exponent
+        records[:, Q_AMAX] = torch.stack([_quant.quant_stats(t, self.format)[Q_AMAX] for t in tensors]).to(records.device)
+        records[:, Q_SCALE_EXP_MIN] = records[:, Q_SCALE_EXP_MAX] = (torch.frexp(scales)[1] - 1).to(torch.float64)
         return records
 
-    def _records(self, tensors, measure=None):
-        """float64[len(tensors), _SUMMED]: the leading fields of the records of `tensors` (by
-        `measure`, default the what-if's). A tensor measured earlier in the batch and unchanged
-        since (the root returns its last child's output; a block returns its last layer's) is not
-        measured again: the kernel is the cost of this feature."""
-        records, fresh = [], []
-        for t in tensors:
-            hit = self.seen.get(id(t))
-            if hit is not None and hit[0]() is t and hit[1] == t._version:
-                records.append(hit[2])
-            else:
-                fresh.append(t)
-        if fresh:
-            measured = (measure or self.measure)(fresh)[:, :_SUMMED]
-            for t, record in zip(fresh, measured):
-                self.seen[id(t)] = (weakref.ref(t), t._version, record)
-            records.extend(measured)
-        return records[0].unsqueeze(0) if len(records) == 1 else torch.stack(records)
+    def _measure_real(self, tensors, into):
+        """The records of real float8 tensors (NOTE: [real float8 casts]), added into `into`'s row."""
+        records = torch.stack([real_quant_stats(float8_parts(t)) for t in tensors])
+        into[0][into[1]] += records[:, :_SUMMED].sum(dim=0)
+        return records
 
     def _record(self, owner, quantity, tensors):
         """One call's tensors: the what-if of the wide ones, the real cast of the float8 ones."""
@@ -179,25 +195,44 @@ class QuantWatch(Feature):
             if parts is None:
                 wide.append(t)
             else:
-                records = self._records([t], lambda _: real_quant_stats(parts).unsqueeze(0))
-                self._add(owner, REAL + quantity, [t], records, parts.format)
+                self._add(owner, REAL + quantity, [t], self._measure_real, parts.format)
         if wide:
-            self._add(owner, quantity, wide, self._records(wide))
+            self._add(owner, quantity, wide, self.measure)
 
-    def _add(self, owner, quantity, tensors, records, format=None):
-        record = records[0] if records.shape[0] == 1 else records.sum(dim=0)
-        row = self.rows.get((owner.index, quantity))
-        if row is None:
-            row = self.rows[(owner.index, quantity)] = _Row(len(self.rows), owner.name, quantity, format)
-        sums = self.sums.get(record.device)
-        if sums is None or sums.shape[0] <= row.index:
-            grown = torch.zeros((max(16, 2 * len(self.rows)), _SUMMED), dtype=torch.float64, device=record.device)
+    def _sums_for(self, device, index):
+        """The running sums on `device`, grown to hold row `index`."""
+        sums = self.sums.get(device)
+        if sums is None or sums.shape[0] <= index:
+            grown = torch.zeros((max(16, 2 * (index + 1)), _SUMMED), dtype=torch.float64, device=device)
             if sums is not None:
                 grown[:sums.shape[0]] = sums
-            sums = self.sums[record.device] = grown
-        sums[row.index] += record
+            sums = self.sums[device] = grown
+        return sums
+
+    def _add(self, owner, quantity, tensors, measure, format=None):
+        """Adds one call's records (by `measure`) into the row's sums. A tensor measured earlier
+        in the batch and unchanged since (the root returns its last child's output; a block returns
+        its last layer's) is not measured again: the kernel is the cost of this feature."""
+        row = self.rows.get((owner.index, quantity))
+        index = len(self.rows) if row is None else row.index  # a new row is kept once measured
+        sums = self._sums_for(tensors[0].device, index)
+        records, fresh = [], []
+        for t in tensors:
+            hit = self.seen.get(id(t))
+            if hit is not None and hit[0]() is t and hit[1] == t._version:
+                sums[index] += hit[2]
+                records.append(hit[2])
+            else:
+                fresh.append(t)
+        if fresh:
+            measured = measure(fresh, into=(sums, index))[:, :_SUMMED]
+            for t, record in zip(fresh, measured):
+                self.seen[id(t)] = (weakref.ref(t), t._version, record)
+            records.extend(measured)
+        if row is None:
+            row = self.rows[(owner.index, quantity)] = _Row(index, owner.name, quantity, format)
         if self.inspector._reader.amax is not None:
-            self._note_amax(row, records[:, Q_AMAX].amax())
+            self._note_amax(row, torch.stack([r[Q_AMAX] for r in records]).amax())
         row.elements += sum(t.numel() for t in tensors)
         if row.last_batch != self.batch:
             row.last_batch = self.batch
@@ -268,6 +303,7 @@ class QuantWatch(Feature):
         return {device: sums[:, Q_NONZERO:Q_UNDERFLOW + 1].clone() for device, sums in self.sums.items()}
 
     def device_moved(self, device):
+        self.native = None
         self.amax.clear()
         self.hashes.clear()
         self.snapshots.clear()

@@ -196,6 +196,24 @@ inline void check_on_ring_device(at::TensorList xs, const at::Tensor& ring) {
   }
 }
 
+// quant_watch_'s running sums and inputs (csrc/ops.cpp): float64[R, 6], contiguous, a row inside
+// it, floating tensors on its device.
+inline void check_quant_watch_args(const at::Tensor& sums, int64_t row, at::TensorList xs) {
+  TORCH_CHECK_VALUE(sums.scalar_type() == at::kDouble && sums.dim() == 2 && sums.size(1) == 6 && sums.is_contiguous(),
+                    "numguard: quant_watch_'s sums must be a contiguous float64 tensor of shape [rows, 6], got ",
+                    sums.scalar_type(), " of shape ", sums.sizes());
+  TORCH_CHECK_VALUE(row >= 0 && row < sums.size(0), "numguard: quant_watch_ row ", row, " is outside sums' ",
+                    sums.size(0), " rows; grow sums first");
+  for (size_t i = 0; i < xs.size(); ++i) {
+    TORCH_CHECK_VALUE(xs[i].defined() && xs[i].device() == sums.device(), "numguard: ", arg_name("xs", i), " is on ",
+                      xs[i].defined() ? c10::str(xs[i].device()) : std::string("(undefined)"), " but sums is on ",
+                      sums.device(), "; measure tensors into sums on their own device");
+    TORCH_CHECK_VALUE(at::isFloatingType(xs[i].scalar_type()) && xs[i].scalar_type() != at::kDouble,
+                      "numguard: ", arg_name("xs", i), " is ", xs[i].scalar_type(),
+                      "; quant_watch_ measures float32, float16, bfloat16 and float8 tensors");
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Stride analysis
 
