@@ -85,6 +85,7 @@ class FlagReader:
         self.pending = None           # (frames held, batch) when the async copy was issued
         self.numbers = None           # this rank's cross-rank numbers read by the last shared check
         self.skipped_steps = None     # callable: GradScaler-skipped steps so far (set by the inspector)
+        self.request = None           # callable: this rank's rerun request word (watch(rerun=True))
         self._tail = 0                # words of numbers at the end of the pending async copy
         # Step time (NOTE: [step time]): (host time, own wait) at the last exchange or root forward
         # end, at this forward's start and at its first child's start; busy seconds and root
@@ -128,7 +129,8 @@ class FlagReader:
                 # (evaluation) each rank ran are not counted in that comparison.
                 flags = module.exchange_trip(state[0], batch_number=batch,
                                              numbers=self._numbers_to_send(),
-                                             local_batches=self.local_batches)
+                                             local_batches=self.local_batches,
+                                             request=self.request() if self.request is not None else 0)
                 self._mark = (time.perf_counter(), _own_wait())
                 self._busy = 0.0
                 self._forwards = 0
