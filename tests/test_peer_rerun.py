@@ -57,6 +57,14 @@ def test_data_fault_is_reproducible_on_both_ranks():
         assert "so did its data-parallel peer rank 0" in a["detail"], a
 
 
+def test_a_model_without_ddp_finds_its_peer_by_its_parameters_and_its_rerun_runs_no_replica_check():
+    for r in run("plain"):
+        assert r["error"] == "NonFiniteError" and r["batch"] == 2, r
+        a = r["attribution"]
+        assert a["verdict"] == "reproducible" and a["rank"] == 1 and "peer rank 0" in a["detail"], a
+        assert r["replica_forwards"] == 3   # the rerun on rank 1 and the peer's ran no replica check
+
+
 def test_spike_on_one_device_gets_a_device_verdict_on_every_rank():
     results = run("spike")
     for rank, r in enumerate(results):
@@ -232,6 +240,22 @@ def worker(scenario):
                                      for w in caught if isinstance(w.message, numguard.SpikeWarning))
                 caught.clear()
             _train(torch, ddp, at + 4, rank, out, lr=0.0, after=after)
+        insp.close(check=False)
+    elif scenario == "plain":   # no DDP: same weights by seed, no training (lr=0)
+        ddp = _ddp(torch)
+        model = ddp.module
+        insp = numguard.watch(model, rerun=True, replicas=1, report_to=None)
+        g = torch.Generator().manual_seed(100 + rank)
+        for step in range(4):   # forwards only: the replicas stay equal
+            x = torch.randn(4, 4, generator=g)
+            if rank == 1 and step == 2:
+                x[0, 0] = float("nan")
+            try:
+                model(x)
+            except numguard.NonFiniteError as exc:
+                out.update(error="NonFiniteError", batch=exc.batch_number, attribution=_attr(exc.attribution))
+                break
+        out["replica_forwards"] = insp._handles[-1].forwards
         insp.close(check=False)
     elif scenario == "replicas":
         from numguard.errors import NonFiniteWarning
