@@ -165,7 +165,8 @@ def _train(torch, ddp, steps, rank, out, plant=None, data_fault=None, lr=0.05, a
         try:
             loss = ddp(x).pow(2).mean()
         except numguard.NonFiniteError as exc:
-            out.update(error="NonFiniteError", batch=exc.batch_number, attribution=_attr(exc.attribution))
+            out.update(error="NonFiniteError", batch=exc.batch_number, attribution=_attr(exc.attribution),
+                       message=str(exc))
             return
         loss.backward()
         opt.step()
