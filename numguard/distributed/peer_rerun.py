@@ -29,6 +29,12 @@ made no claim of its own is preferred. No peer, a peer whose rerun failed, or a 
 answered (it is named; the collective gives up after ``NUMGUARD_DIST_TIMEOUT`` and numguard stops
 using its group, as after any timeout) leave the claimant's own verdict with the reason.
 
+No rank is inside one of DDP's collectives here: a check runs at the root's return (before the
+backward) or at the optimizer step (after DDP's reducer has finished the backward's all_reduces),
+and every rank reaches it through the trip exchange. The reruns run a DDP model's ``.module`` (no
+DDP collective) with the replica check quiet; a model whose forward runs collectives of its own
+is not rerun (numguard.inspector.rerun.RootRerun.target).
+
 A healthy batch never comes here: the claims are exchanged only after a trip or a request.
 """
 from __future__ import annotations

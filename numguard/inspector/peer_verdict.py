@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 
 from .. import ops
 from .. import process as _process
-from ..errors import SpikeWarning
+from ..errors import InspectorWarning, SpikeWarning
 from . import spikes as _spikes
 
 try:
@@ -274,7 +274,13 @@ class PeerVerdicts:
             return
         announced, self.announced = self.announced, None
         claim, payload = announced if announced is not None else (None, None)
-        settled = peer_rerun.settle(claim, payload, self.serve, self.card())
+        try:
+            settled = peer_rerun.settle(claim, payload, self.serve, self.card())
+        except Exception as exc:  # the verdicts are lost, never the job (the channel named who failed)
+            warnings.warn(InspectorWarning(f"numguard: the cross-rank verdict of a spike failed "
+                                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"),
+                          stacklevel=4)
+            return
         if settled is None:
             return
         me = _process.rank(default=None)
