@@ -43,8 +43,10 @@ Schema (``format == "numguard-report"``, ``version == 1``); JSON numbers may be 
                                 # optional: watch(replay=True)'s re-run of the first bad module
       "rerun": {"verdict": "transient" | "reproducible" | "device" | null, "batch": int, "reason": str,
                 "recovered": bool, "identical": bool | null, "watched_abs_max": float | null,
-                "module": str, "class": str, "detail": str},
-                                # optional: watch(rerun=True)'s rerun of the batch (numguard.inspector.rerun)
+                "module": str, "class": str, "detail": str,
+                "rank": int, "host": str, "device": str, "peer": int | null},
+                                # optional: watch(rerun=True)'s rerun of the batch (numguard.inspector.rerun;
+                                # rank/host/device/peer in multi-rank jobs: numguard.distributed.peer_rerun)
       "outliers": [{"rank": int, "host": str, "metric": "activations" | "gradients" | "step_time",
                     "value": float, "median_of_others": float, "ratio": float, ...}, ...],
                                 # optional: the ranks numguard.distributed.last_outliers() named

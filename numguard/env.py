@@ -663,12 +663,13 @@ WATCH_OPTIONS = (
     WatchOption("rerun", False, _flag("rerun"),
                 "after a trip, run the batch's forward again on the same inputs and device "
                 "(numguard.inspector.rerun): the verdict, a numguard.Attribution on the error or warning "
-                "(`.attribution`), says whether the fault was `\"transient\"` or `\"reproducible\"`",
+                "(`.attribution`), says whether the fault was `\"transient\"`, `\"device\"` (multi-rank: a "
+                "data-parallel peer given the same inputs does not reproduce it) or `\"reproducible\"`",
                 "NUMGUARD_RERUN"),
     WatchOption("recover", True, _flag("recover"),
-                "with rerun=True, a transient fault found at the root's return (check=\"sync\", one "
-                "process) is recovered: the rerun's output replaces the corrupted one and a "
-                "NonFiniteWarning says so; False: report only"),
+                "with rerun=True, a transient fault found at the root's return (check=\"sync\"; multi-rank: "
+                "when every rank that tripped can) is recovered: the rerun's output replaces the corrupted "
+                "one and a NonFiniteWarning says so; False: report only"),
 )
 _OPTIONS = {o.name: o for o in WATCH_OPTIONS}
 

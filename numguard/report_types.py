@@ -391,7 +391,9 @@ class Replay(_JsonObject):
 class Rerun(_JsonObject):
     """watch(rerun=True)'s rerun of the batch (numguard.inspector.rerun): the verdict (None: no
     rerun ran, `reason` says why), whether its output replaced the corrupted one, whether it was
-    bit for bit the first run's, and the module a reproducible fault is in."""
+    bit for bit the first run's, and the module a reproducible fault is in; in a multi-rank job
+    the rank, host and device whose batch was rerun and the peer that ran it too
+    (numguard.distributed.peer_rerun)."""
     verdict: Optional[str] = _field(VERDICT)
     batch: Optional[int] = _field(BATCH_OR_NULL)
     reason: str = _field(STR)
@@ -401,6 +403,10 @@ class Rerun(_JsonObject):
     module: Optional[str] = _field(STR_OR_NULL)
     class_name: Optional[str] = _field(STR_OR_NULL, key="class")
     detail: str = _field(STR)
+    rank: Optional[int] = _field(INT_OR_NULL)       # multi-rank: the rank whose batch was rerun
+    host: Optional[str] = _field(STR_OR_NULL)
+    device: Optional[str] = _field(STR_OR_NULL)
+    peer: Optional[int] = _field(INT_OR_NULL)       # the data-parallel peer that ran it too
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -135,17 +135,19 @@ def build_own_group(rank_in_group: int, world: int, store, name: str, global_ran
 class LastExchange:
     """What the last trip exchange of a group found (see :func:`last_exchange`)."""
 
-    __slots__ = ("complete", "slot", "missing", "batches")
+    __slots__ = ("complete", "slot", "missing", "batches", "requests")
 
-    def __init__(self, complete=True, slot=0, missing=(), batches=None):
+    def __init__(self, complete=True, slot=0, missing=(), batches=None, requests=None):
         self.complete = complete
         self.slot = slot
         self.missing = list(missing)
         self.batches = batches
+        self.requests = requests   # each rank's rerun request word (None: not exchanged)
 
     def as_dict(self) -> dict:
         return {"complete": self.complete, "slot": self.slot, "missing": list(self.missing),
-                "batches": None if self.batches is None else list(self.batches)}
+                "batches": None if self.batches is None else list(self.batches),
+                "requests": None if self.requests is None else list(self.requests)}
 
 
 class _GroupState:

@@ -246,6 +246,35 @@ def timed_all_reduce(st: _GroupState, tensor: torch.Tensor, op, what: str, site:
     return None
 
 
+def timed_broadcast(st: _GroupState, tensor: torch.Tensor, root: int, what: str, site: str,
+                    timeout=None) -> torch.Tensor:
+    """Broadcast ``tensor`` (a host tensor of the same size on every rank) from the rank of
+    ``st``'s group ``root`` (group-local); returns the received tensor (``tensor`` itself on a
+    CPU channel)."""
+    timeout_s = dist_timeout(timeout)
+    moved = tensor if st.device.type == "cpu" else tensor.to(st.device)
+    with exclusive(st, what):
+        _mark_arrival(st)
+        work = None
+        if st.device.type == "cpu":
+            try:
+                opts = _c10d.BroadcastOptions()
+                opts.rootRank = root
+                opts.rootTensor = 0
+                opts.asyncOp = True
+                opts.timeout = _backend_timeout(timeout_s)
+                work = st.comm.broadcast([moved], opts)
+            except (AttributeError, TypeError):
+                if st.comm is not st.pg:
+                    raise
+        if work is None:
+            work = _c10d.broadcast(moved, src=st.global_ranks[root], group=st.group, async_op=True)
+        _wait(work, st, what, site, timeout_s)
+    if moved is not tensor:
+        tensor.copy_(moved)
+    return tensor
+
+
 def wait_work(st: _GroupState, work, seq: int, what: str, site: str, timeout_s: float) -> None:
     """Finish a collective started with ``wait=False``, naming missing ranks on timeout."""
     with exclusive(st, what):
@@ -257,4 +286,4 @@ def wait_work(st: _GroupState, work, seq: int, what: str, site: str, timeout_s: 
             st.seq = cur
 
 
-__all__ = ["timed_all_gather", "timed_all_gather_bytes", "timed_all_reduce", "wait_work", "waited_s"]
+__all__ = ["timed_all_gather", "timed_all_gather_bytes", "timed_all_reduce", "timed_broadcast", "wait_work", "waited_s"]

@@ -85,7 +85,7 @@ class ReplicaSentinel:
     (see the module docstring). ``remove()`` takes its hooks off."""
 
     def __init__(self, model: torch.nn.Module, every: int, group=None, gradients: bool = True,
-                 on_trip: str = "raise", dump_dir=None, batch_number=None):
+                 on_trip: str = "raise", dump_dir=None, batch_number=None, quiet=None):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"numguard: replicas every={every!r} is not valid: pass a whole number "
                              ">= 1 (check every N steps), or 0 / leave it out to turn the check off")
@@ -96,6 +96,7 @@ class ReplicaSentinel:
         self.on_trip = on_trip
         self.dump_dir = dump_dir
         self.batch_number = batch_number   # callable(kind) giving the inspector's batch, or None
+        self.quiet = quiet                 # callable: True while a forward is numguard's own (a rerun)
         self.forwards = 0
         self.steps = 0
         self.checks = 0                    # collectives run (parameters and gradients)
@@ -130,6 +131,8 @@ class ReplicaSentinel:
     # -- triggers ---------------------------------------------------------------------------------
     def _before_forward(self, module, args):
         if self.off or not self.params or not (torch.is_grad_enabled() and module.training):
+            return
+        if self.quiet is not None and self.quiet():   # a rerun on one rank: no collective here
             return
         n = self.forwards
         self.forwards += 1
@@ -346,8 +349,11 @@ def attach(inspector, model) -> ReplicaSentinel:
     def batch_number(kind):
         # Parameters are checked before the forward opens its batch: that batch is the next one.
         return inspector.batches_finished if kind == "parameters" else inspector.batch_number
+    def rerunning():
+        rerun = getattr(inspector, "_rerun", None)
+        return rerun is not None and rerun.running
     return ReplicaSentinel(model, opts.replicas, on_trip=opts.on_trip, dump_dir=opts.dump_dir,
-                           batch_number=batch_number)
+                           batch_number=batch_number, quiet=rerunning)
 
 
 __all__ = ["BUCKETS", "DETAILED", "ReplicaSentinel", "attach", "describe", "watch_replicas"]

@@ -75,18 +75,18 @@ def _local_flags(st: _GroupState, src: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_pairs(st: _GroupState, first: int, second: int, what: str, site: str,
-                  numbers=None, third: int = 0):
-    """All-gather three int64 per rank on numguard's group (the flag, the batch, the rank-local
-    batches); [(first, second, third) per rank]. With ``numbers`` (numerics.FIELDS as floats)
-    they ride in the same record: then [(first, second, third, numbers) per rank]."""
+                  numbers=None, third: int = 0, fourth: int = 0):
+    """All-gather four int64 per rank on numguard's group (the flag, the batch, the rank-local
+    batches, the rank's rerun request); [(first, second, third, numbers, fourth) per rank], with
+    ``numbers`` (numerics.FIELDS as floats, riding in the same record) a tuple, empty when None."""
     numbers = [] if numbers is None else list(numbers)
-    words = 3 + len(numbers)
-    fmt = f"<3q{len(numbers)}d"
+    words = 4 + len(numbers)
+    fmt = f"<4q{len(numbers)}d"
     hin_b = st.gather_buffers(words)[0]
-    struct.pack_into(fmt, hin_b, 0, first, second, third, *numbers)
+    struct.pack_into(fmt, hin_b, 0, first, second, third, fourth, *numbers)
     out = timed_all_gather(st, words, what, site)
     rows = [struct.unpack_from(fmt, out, r * words * 8) for r in range(st.world)]
-    return [(row[0], row[1], row[2], row[3:]) for row in rows]
+    return [(row[0], row[1], row[2], row[4:], row[3]) for row in rows]
 
 
 # NOTE: [cross-rank numbers]
@@ -138,7 +138,7 @@ def _check_batches(st: _GroupState, batches: list, local=None) -> None:
 
 def exchange_trip(tripped: torch.Tensor, group=None, blocking: bool | None = None, *,
                   batch_number: int | None = None, grace: float | None = None,
-                  numbers=None, local_batches: int = 0) -> torch.Tensor:
+                  numbers=None, local_batches: int = 0, request: int = 0) -> torch.Tensor:
     """Share this rank's trip flag with every rank of the group.
 
     Args:
@@ -157,6 +157,9 @@ def exchange_trip(tripped: torch.Tensor, group=None, blocking: bool | None = Non
         local_batches: batches this rank ran on its own (forwards under no_grad, such as rank
             0's evaluation) among those counted by ``batch_number``: the batch comparison leaves
             them out.
+        request: this rank's request to the others (nonzero: it has a rerun verdict to settle with
+            a data-parallel peer, numguard.distributed.peer_rerun); every rank's is in
+            :func:`last_exchange`'s ``requests``.
 
     Returns int64[world_size] on the user's group's collective device: entry ``r`` is rank
     ``r``'s flag. Never raises for a rank that does not come: the ranks first meet in the store
@@ -191,8 +194,9 @@ def exchange_trip(tripped: torch.Tensor, group=None, blocking: bool | None = Non
                     numbers = [float(v) for v in numbers]
                 pairs = _gather_pairs(st, int(src.item()) if on_cpu else 0, batch,
                                       "numguard trip exchange (all_gather)", site, numbers,
-                                      int(local_batches))
+                                      int(local_batches), int(request))
                 st.last.batches = [None if p[1] == _NO_BATCH else p[1] for p in pairs]
+                st.last.requests = [p[4] for p in pairs]
                 _check_batches(st, st.last.batches, [p[2] for p in pairs])
                 if numbers is not None and not st.numerics_off:
                     _observe_numbers(st, pairs)

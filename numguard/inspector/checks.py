@@ -88,6 +88,7 @@ class FlagReader:
         # quant= with amax_group: (the group's key, callable -> float64[1] on the device: the digest
         # of the amax of every watched tensor since the last check); numguard.distributed.amax
         self.amax = None
+        self.request = None           # callable: this rank's rerun request word (watch(rerun=True))
         self._tail = 0                # words of numbers at the end of the pending async copy
         # Step time (NOTE: [step time]): (host time, own wait) at the last exchange or root forward
         # end, at this forward's start and at its first child's start; busy seconds and root
@@ -131,7 +132,8 @@ class FlagReader:
                 # (evaluation) each rank ran are not counted in that comparison.
                 flags = module.exchange_trip(state[0], batch_number=batch,
                                              numbers=self._numbers_to_send(),
-                                             local_batches=self.local_batches)
+                                             local_batches=self.local_batches,
+                                             request=self.request() if self.request is not None else 0)
                 self._mark = (time.perf_counter(), _own_wait())
                 self._busy = 0.0
                 self._forwards = 0

@@ -13,9 +13,9 @@ at (on the device; read once after the rerun), and:
 - every output finite: the same computation on the same inputs gave another answer, so the first
   result was corrupted on the way (a bit flip in a register or in memory, a race): "transient";
 - a module's output non-finite again: the fault repeats on this device: "reproducible" (the data
-  or the model: the batch and the module are named). Telling a faulty device from the data needs a
-  data-parallel peer to run the same inputs ("device" when the peer does not reproduce it); that
-  exchange is not built yet, and the detail says that the peer was not asked.
+  or the model: the batch and the module are named). In a multi-rank job a data-parallel peer then
+  runs the same inputs: "device" when it does not reproduce it, "reproducible" when it does, and
+  every rank learns the verdict (NOTE: [device verdict] in numguard.inspector.peer_verdict).
 A spike (an output's abs max, or the loss) is judged the same way by the spiked value in the
 rerun: back at or above the geometric middle of spike and baseline, "reproducible"; else
 "transient". A rerun that cannot run (inputs changed in place or freed, or overwritten in a way
@@ -24,9 +24,10 @@ the call and compared at the rerun; a sharded model whose forward runs collectiv
 raising) gives no verdict and says why.
 
 Recovery (``recover=True``, the default with rerun): a transient fault found at the root's return
-(``check="sync"``, outside a multi-rank job: there the other ranks stop together) is recovered:
-the rerun's output, with its autograd graph, is returned in place of the corrupted one, the step
-goes on, and a NonFiniteWarning with the verdict says so. A fault found later (at the optimizer
+(``check="sync"``; in a multi-rank job when every rank that tripped can recover its batch, agreed
+in the trip's handling: NOTE: [device verdict]) is recovered: the rerun's output, with its
+autograd graph, is returned in place of the corrupted one, the step goes on, and a
+NonFiniteWarning with the verdict says so. A fault found later (at the optimizer
 step with backward=True, with check="async" or check_every > 1) is not recovered, and the verdict
 says why.
 
@@ -47,6 +48,7 @@ from ..errors import Attribution
 from . import replay as _replay
 from . import spikes as _spikes
 from .features import Feature
+from .peer_verdict import PeerVerdicts
 
 try:
     from torch.nn.parallel import DistributedDataParallel as _DDP
@@ -141,6 +143,7 @@ class RootRerun(Feature):
         self.results = inspector.verdicts        # every verdict, as Attribution
         self.updated = ()                        # buffers the last call changed (copied at each call)
         self.norms = []                          # the model's BatchNorm-like modules
+        self.peers = PeerVerdicts(self)          # multi-rank: the peer's rerun (NOTE: [device verdict])
 
     def install(self, model, handles):
         """A pre-hook keeping the root's inputs, a first forward hook keeping its output, and a
@@ -245,6 +248,8 @@ class RootRerun(Feature):
         if spike.get("quantity") not in ("output abs max", _spikes.LOSS) or module is None:
             return None, ""
         result = self.rerun(spike["batch"], watch_module=module, spike=spike)
+        if self.peers.active():
+            return self.peers.spike_claimed(result, self.attribution(result))
         return self.attribution(result), result.get("reason", "")
 
     def rerun(self, batch, found_at_return=False, watch_module=None, spike=None) -> dict:
@@ -252,17 +257,13 @@ class RootRerun(Feature):
         `watch_module`, `spike`: judge by this module's output abs max against the spike's."""
         result = {"verdict": None, "batch": batch, "reason": "", "recovered": False}
         call = self.calls.get(batch)
-        model = self.model_ref()
-        if call is None or model is None:
+        model, reason = self.target()
+        if call is None or self.model_ref() is None:
             result["reason"] = (f"the inputs of batch {batch} are no longer kept (they are kept until the "
                                 "check after their batch)")
             return result
-        if isinstance(_DDP, type) and isinstance(model, _DDP):
-            model = model.module
-        if any(type(m).__name__ in ("FullyShardedDataParallel", "FSDPModule") or
-               type(m).__name__.startswith("FSDP") for m in model.modules()):
-            result["reason"] = ("the model is sharded (FSDP): its forward runs collectives the other ranks "
-                                "would not join, so it was not rerun alone")
+        if model is None:
+            result["reason"] = reason
             return result
         try:
             args, kwargs = _replay._resolve(call.args, call.kwargs)
@@ -299,14 +300,15 @@ class RootRerun(Feature):
             if watched >= middle:
                 result.update(verdict="reproducible", module=spike["module"], **{"class": spike["class"]})
                 result["detail"] = (f"a rerun of batch {batch} gave {where} {what} of {watched:.3e} "
-                                    f"again (spike {spike['value']:.3e}, baseline {spike['baseline']:.3e}): the "
-                                    "spike comes from the data or the model; look at this batch")
+                                    f"again (spike {spike['value']:.3e}, baseline {spike['baseline']:.3e})"
+                                    + (": the spike comes from the data or the model; look at this batch"
+                                       if not self.peers.active() else ""))
             else:
                 result["verdict"] = "transient"
                 result["detail"] = (f"a rerun of batch {batch} gave {where} {what} of {watched:.3e} "
                                     f"(spike {spike['value']:.3e}, baseline {spike['baseline']:.3e}): the spike "
                                     "did not repeat, the first result was corrupted on the way")
-            self.results.append(self.attribution(result))
+            self._verdict(model, call, args, kwargs, output, result, spike)
             return result
         if reproduced is None:
             result["verdict"] = "transient"
@@ -314,13 +316,11 @@ class RootRerun(Feature):
                                 "gave finite values everywhere: the first result was corrupted on the way "
                                 "(a bit flip in a register or memory, a race), not by the data or the model")
             unrestored = self._unrestored(call)
-            if found_at_return and self.recover and not _process.is_distributed() and not unrestored:
-                self.replacement = output
-                with torch.no_grad():   # the buffers as the clean forward left them
-                    for b, copy in rerun_buffers:
-                        b.data.copy_(copy)
-                result["recovered"] = True
-                result["detail"] += "; the rerun's output was returned in place of the corrupted one"
+            if found_at_return and self.recover and not unrestored:
+                if self.peers.active():   # every rank agrees first (NOTE: [device verdict])
+                    self.peers.tentative = (output, rerun_buffers)
+                else:
+                    self.commit(result, output, rerun_buffers)
             elif self.recover:
                 result["detail"] += "; not recovered: " + self._why_not_recovered(found_at_return, unrestored)
         else:
@@ -331,19 +331,64 @@ class RootRerun(Feature):
             result["detail"] = (f"a rerun of batch {batch} on the same inputs and device (random state restored) "
                                 f"reproduced the non-finite value in {name or '(root module)'} ({cls})"
                                 + (f", its output {bits} the first run's" if bits else "")
-                                + ": look at this batch's data and at that module; no data-parallel peer was "
-                                  "asked to run it, so a device that fails the same way every time cannot be "
-                                  "told apart yet")
-        self.results.append(self.attribution(result))
+                                + ("" if self.peers.active() else
+                                   ": look at this batch's data and at that module; no data-parallel peer was "
+                                   "asked to run it, so a device that fails the same way every time cannot be "
+                                   "told apart"))
+        self._verdict(model, call, args, kwargs, output, result, spike)
         return result
+
+    def _verdict(self, model, call, args, kwargs, output, result, spike):
+        """Keep a verdict: in a multi-rank job for the ranks to settle (NOTE: [device verdict])."""
+        if self.peers.active():
+            self.peers.noted(model, call, args, kwargs, output, result, spike)
+        else:
+            self.results.append(self.attribution(result))
+
+    def target(self):
+        """(the module a rerun calls, or None; why not): a DDP model's ``.module`` (DDP's forward
+        would start collectives the other ranks never join); none when its forward runs
+        collectives of its own (FSDP, SyncBatchNorm in training)."""
+        model = self.model_ref()
+        if model is None:
+            return None, "the model is gone"
+        if isinstance(_DDP, type) and isinstance(model, _DDP):
+            model = model.module
+        for m in model.modules():
+            name = type(m).__name__
+            if name in ("FullyShardedDataParallel", "FSDPModule") or name.startswith("FSDP"):
+                return None, ("the model is sharded (FSDP): its forward runs collectives the other ranks "
+                              "would not join, so it was not rerun alone")
+            if isinstance(m, torch.nn.SyncBatchNorm) and m.training:
+                return None, ("the model's SyncBatchNorm runs collectives in its forward that the other ranks "
+                              "would not join, so it was not rerun alone")
+        return model, ""
+
+    def peer_call(self, batch, cpu_rng, device_rng, before):
+        """A call made of what a peer sent (numguard.inspector.peer_verdict), run without gradients."""
+        call = _Call(batch, (), {}, False, cpu_rng, device_rng if self.generator is not None else None)
+        call.before, call.changed = before, set()
+        return call
+
+    def commit(self, result, output, rerun_buffers):
+        """Return the rerun's `output` in place of the corrupted one, with the buffers as the clean
+        forward left them."""
+        self.replacement = output
+        with torch.no_grad():
+            for b, copy in rerun_buffers:
+                b.data.copy_(copy)
+        if result is not None:
+            result["recovered"] = True
+            result["detail"] += "; the rerun's output was returned in place of the corrupted one"
+
+    def check_read(self, status):
+        self.peers.settle_requests(status)
 
     def _why_not_recovered(self, found_at_return, unrestored) -> str:
         opts = self.inspector.options
         if found_at_return and unrestored:
             return (f"the corrupted forward changed {unrestored} buffer(s) numguard held no copy of (the first "
                     "batch's, or buffers a forward had not changed before)")
-        if found_at_return:
-            return "recovery is for one process (in a multi-rank job every rank must take the same output)"
         if opts.backward:
             return ("with backward=True a training forward is checked with its optimizer step, after the backward "
                     "has used the corrupted output; decorate the step (forward and backward) with "
@@ -355,6 +400,9 @@ class RootRerun(Feature):
     def attribution(self, result) -> Attribution | None:
         if not result.get("verdict"):
             return None
+        if result.get("rank") is not None:   # settled across ranks: the rank whose batch it was
+            return Attribution(result["verdict"], result["rank"], result.get("host") or "", result.get("device") or "",
+                               result.get("batch"), result.get("detail", ""))
         return Attribution(result["verdict"], _process.rank(default=None), socket.gethostname(), str(self.device),
                            result.get("batch"), result.get("detail", ""))
 
@@ -436,5 +484,7 @@ class RootRerun(Feature):
         """How many buffers the call changed that were not copied at the call."""
         return sum(1 for i in (call.changed or ()) if i not in call.before)
 
+
+RootRerun.output_tensors = staticmethod(output_tensors)
 
 __all__ = ["RootRerun", "identical", "output_tensors"]

@@ -37,6 +37,7 @@ class Reporter:
         self.step_counter = None          # (label, read): a framework's step, shown next to the batch
         self.annotate = None              # annotate(report, offender index): adds fields before rendering
         self.attribution = lambda rerun: None   # rerun field -> numguard.Attribution (watch(rerun=True))
+        self.settle = None   # (rerun field, first fault's rank, shared, tripped) -> the field every rank gives
         self.graph = None                 # the inspector's GraphRecorder (frames inside compiled graphs)
 
     def forget_graph_frames(self):
@@ -98,6 +99,16 @@ class Reporter:
         first, elsewhere = _blame.earliest_elsewhere(
             ranks, me, exchange.earliest_fault if exchange is not None else None)
         step = self._framework_step()
+        rerun = report.get("rerun") if report is not None else None
+        if self.settle is not None:   # watch(rerun=True): every rank's verdict (NOTE: [device verdict])
+            try:
+                rerun = self.settle(rerun, first[0] if first is not None else None, exchange is not None,
+                                    status.tripped)
+            except Exception as exc:  # the verdict is lost, never the trip
+                warnings.warn(f"numguard: the cross-rank rerun verdict failed ({type(exc).__name__}: {exc})",
+                              InspectorWarning, stacklevel=5)
+            if report is not None and rerun is not None:
+                report["rerun"] = rerun
         if report is not None:
             report["ranks"] = [list(r) for r in ranks]
             if first is not None:
@@ -145,7 +156,6 @@ class Reporter:
         else:
             fault_module, fault_labels, fault_kind_ = (module if status.tripped else None), labels, kind
             fault_batch = batch if batch is not None else status.found_at
-        rerun = report.get("rerun") if report is not None else None
         attribution = self.attribution(rerun) if rerun else None
         if rerun:
             msg += "; " + _report.rerun_text(rerun)

@@ -1,6 +1,7 @@
 """Fault injection: flip one bit of a chosen class in a module's output, in the output of a matrix
-product its forward runs, or in a weight, once (a transient fault) or at every call (a device that
-fails every time), on one rank or all; to check what numguard finds in your own job.
+product its forward runs, in a DDP gradient bucket after its all_reduce, or in a weight, once (a
+transient fault) or at every call (a device that fails every time), on one rank or all; to check
+what numguard finds in your own job.
 
     from numguard.testing import faults
     with faults.inject_output(model.layers[3].mlp, "exponent", at_call=120):
@@ -221,4 +222,45 @@ def inject_weight(module, name="weight", kind="exponent", *, rank=None, seed=0, 
     return fault
 
 
-__all__ = ["BIT_CLASSES", "Fault", "choose_bit", "flipped", "inject_matmul", "inject_output", "inject_weight"]
+class _Disarm:
+    """remove() of a fault whose hook cannot be taken off (a DDP comm hook): it stops firing."""
+
+    def __init__(self, fault):
+        self.fault = fault
+
+    def remove(self):
+        self.fault.rank = -1   # no process has rank -1: never due again
+
+
+def inject_bucket(ddp, kind="exponent", *, persistent=False, at_call=0, rank=None, seed=0, bit=None,
+                  hook=None, state=None) -> Fault:
+    """Flip one bit of one element of a DDP gradient bucket after its all_reduce, on rank `rank`
+    (None: every process): the `at_call`-th bucket reduced (0-indexed, counted over every bucket
+    of every step), or every one from then on with `persistent=True`. The bucket's values are the
+    reduced gradients DDP writes into the parameters' .grad, so the rank's gradients differ from
+    the other ranks' (what the replica check's gradient comparison finds). Installed as DDP's comm
+    hook, wrapping `hook` (with `state`; default: DDP's own all_reduce, on its process group); DDP
+    takes one comm hook, set before the first backward, and keeps it: remove() disarms it."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    inner = hook or default_hooks.allreduce_hook
+    fault = Fault(kind, persistent, at_call, rank, seed, bit)
+
+    def after_reduce(fut):
+        value = fut.value()
+        tensor = value[0] if isinstance(value, (list, tuple)) else value
+        if tensor.dtype in _LAYOUT and tensor.numel() and fault.due():
+            with torch.no_grad():
+                tensor.copy_(fault.flip(tensor, "bucket"))
+        return tensor
+
+    def faulty_hook(hook_state, bucket):
+        return inner(hook_state, bucket).then(after_reduce)
+
+    ddp.register_comm_hook(state if hook is not None else getattr(ddp, "process_group", None), faulty_hook)
+    fault.handles.append(_Disarm(fault))
+    return fault
+
+
+__all__ = ["BIT_CLASSES", "Fault", "choose_bit", "flipped", "inject_bucket", "inject_matmul", "inject_output",
+           "inject_weight"]
