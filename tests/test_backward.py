@@ -105,6 +105,32 @@ def test_parameter_gradient_is_named_with_its_parameter():
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot(model)))
 
 
+@pytest.mark.parametrize("optimizer", ["SGD", "SparseAdam"])
+def test_a_sparse_gradient_is_checked_before_the_optimizer_applies_it(optimizer):
+    # nn.Embedding(sparse=True) hands the optimizer a sparse COO gradient: a NaN in its values
+    # raises at the step, before any weight is written (it reached the weights one batch early).
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, sparse=True)
+    model = nn.Sequential(emb, nn.Linear(4, 1))
+    opt = (torch.optim.SGD(model.parameters(), lr=0.1) if optimizer == "SGD"
+           else torch.optim.SparseAdam(list(emb.parameters()), lr=0.1))
+    ids = torch.tensor([1, 2, 3, 2])
+    with numguard.watch(model, **quiet(backward=True)):
+        for _ in range(2):
+            opt.zero_grad()
+            model(ids).sum().backward()
+            opt.step()
+        opt.zero_grad()
+        model(ids).sum().backward()
+        assert emb.weight.grad.is_sparse
+        emb.weight.grad._values()[1, 2] = float("nan")
+        before = snapshot(model)
+        with pytest.raises(numguard.NonFiniteError) as info:
+            opt.step()
+    assert "0.weight.grad" in info.value.labels and info.value.batch_number == 2
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(model)))
+
+
 def test_forward_only_watch_ignores_gradients():
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

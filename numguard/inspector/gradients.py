@@ -12,8 +12,8 @@ gradients right before the optimizer applies them.
   module that returned it. Recording is the inspector's ``record_frame``: no host sync.
 * Right before an optimizer that holds the model's parameters steps (a global optimizer step
   pre-hook), every parameter gradient is recorded in one multi-tensor launch (labels
-  ``<parameter name>.grad``), and the inspector checks its flag, so that a NaN/Inf gradient raises
-  before the optimizer writes any weight.
+  ``<parameter name>.grad``; a sparse one through its values), and the inspector checks its flag,
+  so that a NaN/Inf gradient raises before the optimizer writes any weight.
 * ``torch.amp.GradScaler``: a step the scaler skips because the scaled gradients overflowed is
   normal fp16 training, not a trip. numguard sees that the optimizer did not step inside
   ``scaler.step`` and, with ``scaler_skips="count"`` (default), counts it and forgets the
@@ -258,10 +258,10 @@ class BackwardWatcher(Feature):
         for label, param in params:
             grad = param.grad
             if grad is not None:
-                grad = local_shard(grad)  # a sharded parameter's gradient: this rank's shard
-            if grad is not None and grad.layout == torch.strided:
+                # A sharded parameter's gradient: this rank's shard. A sparse one (an Embedding or
+                # EmbeddingBag with sparse=True, SparseAdam) is recorded through its values.
                 labels.append(label)
-                grads.append(grad)
+                grads.append(local_shard(grad))
         if grads:
             try:
                 self.inspector.record_frame(self._root_name, self._root_class, labels, grads,
@@ -269,6 +269,9 @@ class BackwardWatcher(Feature):
             except Exception as exc:  # numguard's failure must not kill the job
                 self._give_up("recording the parameter gradients", exc)
                 return
+            dense = [i for i, g in enumerate(grads) if g.layout == torch.strided]
+            if len(dense) < len(grads):  # norms of dense gradients only (NOTE: [gradient norm spikes])
+                labels, grads = [labels[i] for i in dense], [grads[i] for i in dense]
             for feature in self.inspector.features:
                 feature.parameter_gradients(labels, grads)
         self.steps_seen += 1
