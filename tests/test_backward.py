@@ -250,6 +250,28 @@ def test_healthy_backward_steps_read_the_device_at_most_once_per_step():
     assert counter.numguard >= steps  # the one read per step is there (a real check happens)
 
 
+def test_a_model_trained_in_eval_mode_reads_the_device_no_more_than_in_train_mode():
+    # Frozen BatchNorm / no dropout: a model trained in eval() mode. Its forwards are checked at
+    # their return until an optimizer step follows one; from then on once per step, as in train().
+    def syncs(mode):
+        model = make_model()
+        getattr(model, mode)()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        step = sgd_step(model, opt, torch.randn(3, 4))
+        with numguard.watch(model, **quiet(backward=True)):
+            with SyncCounter()() as counter:
+                for _ in range(5):
+                    step()
+            model[2].value = float("nan")   # a NaN gradient still raises before the step writes
+            before = snapshot(model)
+            with pytest.raises(numguard.NonFiniteError):
+                step()
+            assert all(torch.equal(a, b) for a, b in zip(before, snapshot(model)))
+        return counter.numguard
+    train, evaluated = syncs("train"), syncs("eval")
+    assert 5 <= evaluated <= train, (evaluated, train)
+
+
 def test_close_removes_every_hook():
     model = make_model()
     counts = [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]

@@ -313,10 +313,15 @@ def loss_of(output):
     return None
 
 
+def _times(factor) -> str:
+    """A spike's factor as people read it: 23.4x, 1.0e+30x (an exponent flip gives huge ones)."""
+    return f"{factor:.1f}x" if factor < 1e4 else f"{factor:.1e}x"
+
+
 def message(spike) -> str:
     name = spike["module"] or "(root module)"
     rank = "" if spike["rank"] is None else f" on rank {spike['rank']}"
     return (f"numguard: spike{rank} in {name} ({spike['class']}) at batch_number={spike['batch']}: "
-            f"{spike['quantity']} {spike['value']:.3e} is {spike['factor']:.1f}x its median of the last "
+            f"{spike['quantity']} {spike['value']:.3e} is {_times(spike['factor'])} its median of the last "
             f"batches ({spike['baseline']:.3e}); a bad batch, an unstable step or a fault on this device "
             f"(NOTE: [spike rule] in numguard/inspector/spikes.py)")
