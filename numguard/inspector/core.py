@@ -25,6 +25,7 @@ from ..errors import AbortAfterBatch, InspectorWarning, NonFiniteError, SpikeErr
 from . import frames as _frames
 from . import checks as _checks
 from . import gradients as _gradients
+from . import graph as _graph
 from .checks import FlagReader
 from .graph import GraphRecorder
 from .hooks import BatchState, ModuleHooks, active
@@ -555,6 +556,7 @@ def _add_features(insp, model, opts):
         insp._rerun = insp._add(RootRerun(insp, device, opts.recover))
         insp._rerun.install(model, insp._handles)
         insp._reporter.attribution = insp._rerun.attribution
+    insp._handles += _graph.watch_wrapper_calls(insp, model)   # NOTE: [wrappers compiled before watch]
     if opts.replicas:  # removed with the other hooks at close()
         from ..distributed import replicas
         insp._handles.append(replicas.attach(insp, model))
