@@ -417,7 +417,9 @@ def scenario_missing(rank, world):
 
     last = world - 1
     if rank == last:
-        return {"skipped": True, "linger_s": 8}  # stays alive, never joins the collective
+        # Stays alive, never joins the collective, until the other ranks have left (an event, not
+        # a time: their start-up can take many seconds on a loaded machine), at most 45 s.
+        return {"skipped": True, "linger_until_others_leave": 45}
     import torch.distributed as dist
 
     ngd.guard_collectives()  # timeout from NUMGUARD_DIST_TIMEOUT
@@ -839,8 +841,35 @@ def scenario_exchange_details(rank, world):
     return res
 
 
+def _linger_until_others_leave(out, cap_s):
+    """Wait until every other rank's process has exited (their pid files, written at start), at most
+    `cap_s` seconds; whether they all left first."""
+    here = os.path.dirname(out)
+    mine = os.environ.get("RANK")
+    pids = []
+    deadline = time.monotonic() + cap_s
+    for r in range(int(os.environ["WORLD_SIZE"])):
+        path = os.path.join(here, f"pid{r}")
+        while str(r) != mine and not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if str(r) != mine and os.path.exists(path):
+            pids.append(int(open(path).read()))
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)   # the launcher reaps its children as they end (RankProcesses.wait)
+            return True
+        except OSError:
+            return False
+    while any(map(alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return len(pids) == int(os.environ["WORLD_SIZE"]) - 1 and not any(map(alive, pids))
+
+
 def main(argv):
     name, out = argv[1], os.environ["NG_RESULT"]
+    with open(os.path.join(os.path.dirname(out), f"pid{os.environ.get('RANK', '0')}"), "w") as f:
+        f.write(str(os.getpid()))
     result = {}
     try:
         rank, world = _init()
@@ -861,6 +890,11 @@ def main(argv):
     sys.stderr.flush()
     if result.get("linger_s"):
         time.sleep(result["linger_s"])
+    if result.get("linger_until_others_leave"):
+        result["others_left_first"] = _linger_until_others_leave(out, result["linger_until_others_leave"])
+        with open(out + ".tmp", "w") as f:
+            json.dump(result, f)
+        os.replace(out + ".tmp", out)
     if result.get("exit_normally"):
         sys.exit(0)  # through interpreter shutdown and the process group's destructors
     os._exit(0)

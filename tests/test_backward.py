@@ -105,6 +105,32 @@ def test_parameter_gradient_is_named_with_its_parameter():
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot(model)))
 
 
+@pytest.mark.parametrize("optimizer", ["SGD", "SparseAdam"])
+def test_a_sparse_gradient_is_checked_before_the_optimizer_applies_it(optimizer):
+    # nn.Embedding(sparse=True) hands the optimizer a sparse COO gradient: a NaN in its values
+    # raises at the step, before any weight is written (it reached the weights one batch early).
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, sparse=True)
+    model = nn.Sequential(emb, nn.Linear(4, 1))
+    opt = (torch.optim.SGD(model.parameters(), lr=0.1) if optimizer == "SGD"
+           else torch.optim.SparseAdam(list(emb.parameters()), lr=0.1))
+    ids = torch.tensor([1, 2, 3, 2])
+    with numguard.watch(model, **quiet(backward=True)):
+        for _ in range(2):
+            opt.zero_grad()
+            model(ids).sum().backward()
+            opt.step()
+        opt.zero_grad()
+        model(ids).sum().backward()
+        assert emb.weight.grad.is_sparse
+        emb.weight.grad._values()[1, 2] = float("nan")
+        before = snapshot(model)
+        with pytest.raises(numguard.NonFiniteError) as info:
+            opt.step()
+    assert "0.weight.grad" in info.value.labels and info.value.batch_number == 2
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(model)))
+
+
 def test_forward_only_watch_ignores_gradients():
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -222,6 +248,28 @@ def test_healthy_backward_steps_read_the_device_at_most_once_per_step():
                 step()
     assert counter.total <= steps, counter.where
     assert counter.numguard >= steps  # the one read per step is there (a real check happens)
+
+
+def test_a_model_trained_in_eval_mode_reads_the_device_no_more_than_in_train_mode():
+    # Frozen BatchNorm / no dropout: a model trained in eval() mode. Its forwards are checked at
+    # their return until an optimizer step follows one; from then on once per step, as in train().
+    def syncs(mode):
+        model = make_model()
+        getattr(model, mode)()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        step = sgd_step(model, opt, torch.randn(3, 4))
+        with numguard.watch(model, **quiet(backward=True)):
+            with SyncCounter()() as counter:
+                for _ in range(5):
+                    step()
+            model[2].value = float("nan")   # a NaN gradient still raises before the step writes
+            before = snapshot(model)
+            with pytest.raises(numguard.NonFiniteError):
+                step()
+            assert all(torch.equal(a, b) for a, b in zip(before, snapshot(model)))
+        return counter.numguard
+    train, evaluated = syncs("train"), syncs("eval")
+    assert 5 <= evaluated <= train, (evaluated, train)
 
 
 def test_close_removes_every_hook():

@@ -1,5 +1,7 @@
 """numguard.watch with torch.compile (inductor on the CPU): detection works, numguard causes no
 graph break from a host read of its own, and a watched model is compiled once, not per batch."""
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -185,3 +187,29 @@ def test_quant_and_spikes_on_an_eager_model_say_nothing_of_compile():
                 model(torch.randn(4, 8))
             assert {"0", "1", "2"} <= {r["module"] for r in insp.quant_table()}
     assert not [w for w in caught if "torch.compile" in str(w.message)]
+
+
+@pytest.mark.parametrize("called_before_watch", [True, False])
+def test_a_wrapper_compiled_before_watching_its_model_is_named_at_its_first_call(called_before_watch):
+    # NOTE: [wrappers compiled before watch]: watch(model) after torch.compile(model) ran: calls
+    # through that wrapper bypass numguard's hooks; numguard says so at once instead of staying silent.
+    torch.compile(nn.Linear(2, 2))(torch.randn(1, 2))   # dynamo has compiled something
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    compiled = torch.compile(model)
+    if called_before_watch:
+        compiled(torch.randn(2, 4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        insp = numguard.watch(model, report_to=None)
+        compiled(torch.randn(2, 4))
+        compiled(torch.randn(2, 4))
+    said = [w for w in caught if "compiled before watch() added numguard's hooks" in str(w.message)]
+    if called_before_watch:
+        assert len(said) == 1 and "is NOT watched" in str(said[0].message)
+    else:   # the wrapper's first call traced numguard's hooks: watched, and silent
+        assert caught == [] and insp.batches_finished == 2
+        with torch.no_grad():
+            model[0].bias.fill_(float("inf"))
+        with pytest.raises(numguard.NonFiniteError):
+            compiled(torch.randn(2, 4))
+    insp.close(check=False)

@@ -304,12 +304,11 @@ def test_guard_undo(guard2):
 
 
 def test_missing_rank_is_named_within_the_timeout():
-    res = dist_workers.run_scenario("missing", 3, timeout=60, env={"NUMGUARD_DIST_TIMEOUT": "1.5"})
+    res = dist_workers.run_scenario("missing", 3, timeout=120, env={"NUMGUARD_DIST_TIMEOUT": "1.5"})
     assert res[2]["skipped"] is True
     # The ranks that raised leave (through normal interpreter exit) while the missing rank is
     # still alive: the abandoned check does not hold the process until that rank dies.
-    assert res[0]["ended_s"] < res[2]["ended_s"] - 2, [r["ended_s"] for r in res]
-    assert res[1]["ended_s"] < res[2]["ended_s"] - 2, [r["ended_s"] for r in res]
+    assert res[2]["others_left_first"] is True
     for r in res[:2]:
         check = r["check"]
         assert check["exc"] == "DistributedTimeoutError", check

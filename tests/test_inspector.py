@@ -633,3 +633,28 @@ def test_a_missing_trip_exchange_module_is_a_warning_naming_it_not_silence(tmp_p
                 model(torch.ones(2, 4))
     finally:
         dist.destroy_process_group()
+
+
+def test_lazy_modules_are_watched_once_made_without_a_warning():
+    # A lazy module (nn.LazyLinear) has no weight shape before its first forward: no "weights are not
+    # watched" warning, its weights are watched from the next batch, and the report of an earlier
+    # batch reads that batch's rows (C's weight line at batch 0 is C's, not D's).
+    model = nn.Sequential(nn.Linear(3, 4), nn.LazyLinear(4), nn.Linear(4, 4), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[2].weight.fill_(0.5)
+        model[3].weight.fill_(0.25)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        insp = numguard.watch(model, **quiet())
+        for _ in range(2):
+            model(torch.randn(2, 3))
+    with torch.no_grad():
+        model[1].weight[0, 0] = float("nan")
+    with pytest.raises(numguard.NonFiniteError) as info:
+        model(torch.randn(2, 3))
+    assert info.value.module == "1" and info.value.labels[0] == "weight"
+    frames = insp.last_report["frames"]
+    batch0 = {f["name"]: f for f in frames if f["batch"] == 0}
+    weight = batch0["2"]["labels"].index("weight")
+    assert batch0["2"]["records"][weight][1] == 0.5   # abs max of C's weight
+    insp.close(check=False)

@@ -112,6 +112,45 @@ def test_a_fault_that_repeats_is_reproducible_and_raises_with_the_attribution():
     insp.close(check=False)
 
 
+@pytest.mark.parametrize("cause", ["data", "once"])
+def test_a_running_statistics_trip_is_rerun_and_judged(cause):
+    # One huge value makes BatchNorm's running_var +Inf with every output finite (NOTE: [running
+    # statistics]): the rerun of the forward judges it by the statistics it writes again.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    state = {"armed": False}
+
+    def once_huge(mod, args, out):
+        if state["armed"]:
+            state["armed"] = False
+            out = out.clone()
+            out[0, 0] = 1e20
+            return out
+        return None
+    model[0].register_forward_hook(once_huge, prepend=True)
+    insp = numguard.watch(model, rerun=True, report_to=None)
+    for _ in range(2):
+        model(torch.randn(8, 4))
+    x = torch.randn(8, 4)
+    if cause == "data":
+        x[0] = 1e20
+        with pytest.raises(numguard.NonFiniteError) as info:
+            model(x)
+        att = info.value.attribution
+        assert att.verdict == "reproducible" and att.batch_number == 2
+        assert "running statistics of 1 (BatchNorm1d)" in att.detail
+        assert insp.last_report["rerun"]["module"] == "1"
+    else:
+        state["armed"] = True
+        _, warned = _warnings_of(numguard.errors.NonFiniteWarning, lambda: model(x))
+        att = warned[0].attribution
+        assert att.verdict == "transient" and "buffers it updated were kept" in att.detail
+        # The statistics are the clean rerun's, counted once.
+        assert bool(torch.isfinite(model[1].running_var).all()) and int(model[1].num_batches_tracked) == 3
+    assert "backward" not in att.detail
+    insp.close(check=False)
+
+
 @pytest.mark.parametrize("why", ["recover_off", "async"])
 def test_without_recovery_a_transient_fault_still_trips_with_its_verdict(why):
     torch.manual_seed(0)
@@ -453,3 +492,81 @@ def test_a_loss_spike_is_rerun_and_judged_by_the_loss(cause, verdict):
     insp.close(check=False)
     assert warned and (warned[0].spike["quantity"], warned[0].spike["batch"]) == ("loss", at)
     assert warned[0].attribution.verdict == verdict and "a loss of" in warned[0].attribution.detail
+
+
+class WritesItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x.mul_(2)   # the model changes its own input during the call
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("at", [0, 2])
+def test_a_model_that_writes_its_own_input_is_rerun_from_a_copy(at):
+    # NOTE: [inputs the model writes]: the batch that shows it gets no verdict and says "during the
+    # call"; from the next call on the inputs are copied, and a later trip gets its verdict.
+    model = WritesItsInput()
+    insp = numguard.watch(model, rerun=True, report_to=None)
+    for _ in range(at):
+        model(torch.randn(2, 4))
+    with torch.no_grad():
+        model.lin.weight[0, 0] = float("inf")
+    x = torch.randn(2, 4)
+    with pytest.raises(numguard.NonFiniteError) as info:
+        model(x)
+    rerun = insp.last_report["rerun"]
+    if at == 0:
+        assert info.value.attribution is None
+        assert "input[0] was changed in place during the call" in rerun["reason"]
+        assert "after the call" not in rerun["reason"]
+    else:
+        assert info.value.attribution.verdict == "reproducible" and rerun["module"] == "lin"
+        assert rerun["identical"] is True   # the rerun saw what the model saw
+    insp.close(check=False)
+
+
+@pytest.mark.parametrize("overwritten", [False, True])
+def test_inference_mode_inputs_are_rerun_and_an_overwrite_is_seen(overwritten):
+    # Inference tensors have no version counter: kept as they are, the fingerprint tells a change.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    insp = numguard.watch(model, rerun=True, report_to=None, check="async" if overwritten else "sync")
+    with torch.inference_mode():
+        model(torch.randn(2, 4))
+        x = torch.randn(2, 4)
+        x[0, 0] = float("inf")
+        with pytest.raises(numguard.NonFiniteError) as info:
+            model(x)
+            if overwritten:
+                x.fill_(1.0)   # before the async check reads batch 1
+                model(torch.randn(2, 4))
+    rerun = insp.last_report["rerun"]
+    if overwritten:
+        assert info.value.attribution is None and "overwritten since the call" in rerun["reason"]
+    else:
+        assert info.value.attribution.verdict == "reproducible" and rerun["module"] == "0"
+    assert "no longer kept" not in rerun["reason"]
+    insp.close(check=False)
+
+
+@pytest.mark.parametrize("at", [0, 2])
+def test_a_lazy_model_is_rerun_once_its_modules_are_made(at):
+    # The first forward of a lazy module makes its weights: that call cannot be rerun, and says so.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(4), nn.LazyBatchNorm1d(), nn.Linear(4, 1))
+    insp = numguard.watch(model, rerun=True, report_to=None)
+    for _ in range(at):
+        model(torch.randn(8, 3))
+    x = torch.randn(8, 3)
+    x[0] = 1e20   # running_var +Inf
+    with pytest.raises(numguard.NonFiniteError) as info:
+        model(x)
+    rerun = insp.last_report["rerun"]
+    if at == 0:
+        assert info.value.attribution is None and "lazy modules made their parameters" in rerun["reason"]
+    else:
+        assert info.value.attribution.verdict == "reproducible" and rerun["module"] == "1"
+    insp.close(check=False)

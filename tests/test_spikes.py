@@ -12,6 +12,7 @@ import torch.nn as nn
 
 import numguard
 from numguard import env
+from numguard.inspector import spikes as _spikes
 from numguard.inspector.spikes import ARM
 from numguard.testing import SyncCounter
 
@@ -315,3 +316,11 @@ def test_a_spike_read_after_new_parameters_appear_keeps_its_name():
     warned = [w.message.spike for w in caught if issubclass(w.category, numguard.SpikeWarning)]
     assert warned and (warned[0]["module"], warned[0]["quantity"], warned[0]["batch"]) == ("", "loss", at), \
         warned[:1]
+
+
+def test_a_huge_factor_prints_readably():
+    spike = {"module": "net.mid", "class": "Linear", "quantity": "output abs max", "value": 3.1e30,
+             "baseline": 3.1, "factor": 1e30, "batch": 40, "rank": None}
+    text = _spikes.message(spike)
+    assert "is 1.0e+30x its median" in text and "000000" not in text
+    assert "is 23.4x its median" in _spikes.message(dict(spike, factor=23.4))

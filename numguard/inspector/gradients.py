@@ -12,8 +12,8 @@ gradients right before the optimizer applies them.
   module that returned it. Recording is the inspector's ``record_frame``: no host sync.
 * Right before an optimizer that holds the model's parameters steps (a global optimizer step
   pre-hook), every parameter gradient is recorded in one multi-tensor launch (labels
-  ``<parameter name>.grad``), and the inspector checks its flag, so that a NaN/Inf gradient raises
-  before the optimizer writes any weight.
+  ``<parameter name>.grad``; a sparse one through its values), and the inspector checks its flag,
+  so that a NaN/Inf gradient raises before the optimizer writes any weight.
 * ``torch.amp.GradScaler``: a step the scaler skips because the scaled gradients overflowed is
   normal fp16 training, not a trip. numguard sees that the optimizer did not step inside
   ``scaler.step`` and, with ``scaler_skips="count"`` (default), counts it and forgets the
@@ -119,6 +119,8 @@ class BackwardWatcher(Feature):
         self.closed = False
         self.recorded_since_check = False
         self.steps_seen = 0              # optimizer steps (of this model's optimizers) seen
+        self.trains_in_eval = False      # an optimizer step followed a forward in eval() mode
+        self._eval_forward = False       # the last forward ran in eval() mode with gradients on
         self._step_start = None          # the inspector's record position at this step's 1st gradient
         self.last_scaler = None          # weak reference to the GradScaler stepping this model, if any
         self._model_ref = weakref.ref(model)
@@ -258,10 +260,10 @@ class BackwardWatcher(Feature):
         for label, param in params:
             grad = param.grad
             if grad is not None:
-                grad = local_shard(grad)  # a sharded parameter's gradient: this rank's shard
-            if grad is not None and grad.layout == torch.strided:
+                # A sharded parameter's gradient: this rank's shard. A sparse one (an Embedding or
+                # EmbeddingBag with sparse=True, SparseAdam) is recorded through its values.
                 labels.append(label)
-                grads.append(grad)
+                grads.append(local_shard(grad))
         if grads:
             try:
                 self.inspector.record_frame(self._root_name, self._root_class, labels, grads,
@@ -269,9 +271,14 @@ class BackwardWatcher(Feature):
             except Exception as exc:  # numguard's failure must not kill the job
                 self._give_up("recording the parameter gradients", exc)
                 return
+            dense = [i for i, g in enumerate(grads) if g.layout == torch.strided]
+            if len(dense) < len(grads):  # norms of dense gradients only (NOTE: [gradient norm spikes])
+                labels, grads = [labels[i] for i in dense], [grads[i] for i in dense]
             for feature in self.inspector.features:
                 feature.parameter_gradients(labels, grads)
         self.steps_seen += 1
+        self.trains_in_eval = self.trains_in_eval or self._eval_forward
+        self._eval_forward = False
         self.recorded_since_check = False
         self._step_start = None
         if self.steps_seen % self.inspector.check_every == 0:
@@ -306,12 +313,16 @@ class BackwardWatcher(Feature):
         """Whether the inspector's batch-end check is left to the optimizer step (NOTE: [one read
         per step]): once this model is seen training, the step's check reads the same flag and
         covers the forward, the backward and the parameter gradients with one device->host read.
-        Forwards under no_grad, and forwards of a model in eval() mode (an evaluation that did not
-        turn gradients off: no optimizer step will follow it), are still checked at their end."""
+        Forwards under no_grad are still checked at their end, and so are forwards of a model in
+        eval() mode (an evaluation that did not turn gradients off: no optimizer step will follow
+        it) until an optimizer step was seen to follow one: a model trained in eval() mode (frozen
+        BatchNorm, no dropout) then pays one read per step as in train() mode, and its evaluations
+        with gradients on are checked at the next step, as a train()-mode model's are."""
+        model = self._model_ref()
+        self._eval_forward = torch.is_grad_enabled() and model is not None and not model.training
         if not self.steps_seen or self.closed or not torch.is_grad_enabled():
             return False
-        model = self._model_ref()
-        return model is None or model.training
+        return not self._eval_forward or self.trains_in_eval
 
     def close(self):
         """Remove every hook this watcher added (idempotent)."""

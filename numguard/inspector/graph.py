@@ -105,6 +105,42 @@ def warn_graph_blind(inspector, feature, what, limit=6):
     return True
 
 
+def watch_wrapper_calls(inspector, model) -> list:
+    """Hooks on torch.compile wrappers of `model` made before watch(model) (NOTE: [wrappers
+    compiled before watch]); their handles."""
+    wrapper_class = torch._dynamo.eval_frame.OptimizedModule
+    if isinstance(model, wrapper_class) or not torch._dynamo.utils.counters["frames"]["ok"]:
+        return []   # nothing compiled yet: a wrapper's first call will trace numguard's hooks
+    import gc
+
+    handles = []
+    # type(), not isinstance(): a dead weak proxy among the objects raises on isinstance
+    for wrapper in [o for o in gc.get_objects() if issubclass(type(o), wrapper_class) and o._orig_mod is model]:
+        batches = []
+
+        def before(module, args, batches=batches):
+            batches.append(inspector._batch.done)
+
+        def after(module, args, output, batches=batches):
+            if batches and batches.pop() == inspector._batch.done and not inspector._batch.closed:
+                inspector._warn_once(("compiled", "wrapper"), WRAPPER_MESSAGE.format(cls=type(model).__name__))
+        handles += [wrapper.register_forward_pre_hook(torch.compiler.disable(before)),
+                    wrapper.register_forward_hook(torch.compiler.disable(after))]
+    return handles
+
+
+# NOTE: [wrappers compiled before watch] A wrapper of torch.compile that ran before watch(model)
+# runs its compiled code without numguard's hooks (dynamo does not guard on hooks), so a call
+# through it never reaches the model's hooks and nothing of it is watched, not even its output.
+# numguard cannot put its hooks into that code; it hooks the wrapper itself (its hooks run outside
+# the graph) and says so at the first call that bypassed the model's.
+WRAPPER_MESSAGE = (
+    "numguard: this {cls} was called through a torch.compile wrapper that compiled before watch() "
+    "added numguard's hooks (dynamo does not recompile for hooks): that call ran without them and is NOT "
+    "watched (a NaN/Inf in it is not reported). Watch the wrapper (numguard.watch(compiled)), call watch() "
+    "before the wrapper's first call, or torch._dynamo.reset() before watch().")
+
+
 class Slot(NamedTuple):
     """What one traced module call records: the host metadata of its frame."""
     recorder: str        # GraphRecorder.key

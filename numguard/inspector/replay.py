@@ -77,7 +77,7 @@ class InputKeeper(Feature):
             kwargs = {k: _keep_value(v, weak) for k, v in kwargs.items()}
             self.calls[owner.index] = (args, kwargs, self.inspector._batch.done,
                                        self.generator.get_state())
-        except Exception:   # e.g. inference tensors have no version counter: not replayable
+        except Exception:   # numguard's failure must not fail the call: this one is not replayable
             self.calls.pop(owner.index, None)
         return None
 
@@ -125,12 +125,17 @@ class _Weak(weakref.ref):
 
 
 class _Kept:
-    """A tensor argument as the call saw it: the tensor (or a weak reference) and its version."""
+    """A tensor argument as the call saw it: the tensor (or a weak reference) and its version
+    (None for an inference tensor, which has no version counter)."""
     __slots__ = ("ref", "version")
 
     def __init__(self, x, weak):
-        self.version = x._version
+        self.version = None if x.is_inference() else x._version
         self.ref = _Weak(x) if weak and type(x) is _Tensor else x
+
+    def tensor(self):
+        """The kept tensor, or None when it was held weakly and freed."""
+        return self.ref() if type(self.ref) is _Weak else self.ref
 
 
 class _Container:
@@ -165,30 +170,55 @@ _FREED = ("its inputs were freed after the call: a forward without gradients kee
           "alive, so numguard held them only weakly (use ops=True to name the operation in such forwards)")
 
 
-def _rebuild(kept, label):
+def _rebuild(kept, label, fingerprinted):
     """The value a kept argument had at the call (fresh containers, the same tensors); raises
-    _NotReplayable when a tensor was freed or changed in place since."""
+    _NotReplayable when a tensor was freed or changed in place since, or is an inference tensor
+    whose changes nothing but a fingerprint of the values (`fingerprinted`) would show."""
     kind = type(kept)
     if kind is _Kept:
-        x = kept.ref() if type(kept.ref) is _Weak else kept.ref
+        x = kept.tensor()
         if x is None:
             raise _NotReplayable(_FREED)
-        if x._version != kept.version:
+        if kept.version is None and not fingerprinted:
+            raise _NotReplayable(f"{label} is an inference tensor (made under torch.inference_mode): it has no "
+                                 "version counter, so a change in place since the call could not be seen")
+        if kept.version is not None and x._version != kept.version:
             raise _NotReplayable(f"{label} was changed in place after the call (its version counter moved), "
                                  "so its values are no longer those the module saw")
         return x
     if kind is _Container:
         if kept.kind is dict:
-            return {k: _rebuild(v, _frames.key_label(label, k)) for k, v in kept.items.items()}
-        return kept.kind(_rebuild(v, f"{label}[{i}]") for i, v in enumerate(kept.items))
+            return {k: _rebuild(v, _frames.key_label(label, k), fingerprinted) for k, v in kept.items.items()}
+        return kept.kind(_rebuild(v, f"{label}[{i}]", fingerprinted) for i, v in enumerate(kept.items))
     return kept
 
 
-def _resolve(args, kwargs):
-    """The kept call's arguments as the module saw them (_rebuild)."""
-    args = tuple(_rebuild(a, f"input[{i}]") for i, a in enumerate(args))
-    kwargs = {k: _rebuild(v, k) for k, v in kwargs.items()}
+def _resolve(args, kwargs, fingerprinted=False):
+    """The kept call's arguments as the module saw them (_rebuild). `fingerprinted`: the caller
+    compares a fingerprint of the values, so inference tensors (no version counter) may be used."""
+    args = tuple(_rebuild(a, f"input[{i}]", fingerprinted) for i, a in enumerate(args))
+    kwargs = {k: _rebuild(v, k, fingerprinted) for k, v in kwargs.items()}
     return args, kwargs
+
+
+def _kept_items(kept, label):
+    """(label, _Kept) of every tensor in a kept argument, labelled as _rebuild labels them."""
+    if type(kept) is _Kept:
+        yield label, kept
+    elif type(kept) is _Container:
+        items = kept.items.items() if kept.kind is dict else enumerate(kept.items)
+        for key, value in items:
+            yield from _kept_items(value, _frames.key_label(label, key) if kept.kind is dict else f"{label}[{key}]")
+
+
+def changed_in_place(args, kwargs):
+    """The label of the first kept tensor whose version counter moved since it was kept, or None."""
+    for label, kept in itertools.chain(*(_kept_items(a, f"input[{i}]") for i, a in enumerate(args)),
+                                       *(_kept_items(v, k) for k, v in kwargs.items())):
+        x = kept.tensor()
+        if x is not None and kept.version is not None and x._version != kept.version:
+            return label
+    return None
 
 
 class ReplayRecorder(_operations.OperationRecorder):

@@ -51,9 +51,12 @@ class ReportBuilder:
         """One frame of a report (weights first, like Transformers)."""
         owner = f.owner
         lines = []
-        if f.with_weights and owner.widx:
-            table = tables.get(f.batch)
-            for name, w in zip(owner.wnames, owner.widx):
+        table = tables.get(f.batch)
+        # The rows of the layout of the frame's batch (a lazy module's parameters made since moved them).
+        wnames, widx = (owner.wnames, owner.widx) if table is None else table[1].get("rows", {}).get(
+            id(getattr(owner, "source", owner)), ((), ()))   # a compiled module's frame: its eager owner's
+        if f.with_weights and widx:
+            for name, w in zip(wnames, widx):
                 if table is not None and w < len(table[0]):
                     lines.append(ReportLine(label=name, kind=LineKind.TENSOR, record=[float(v) for v in table[0][w]],
                                             dtype=table[1]["dtypes"][w], shape=table[1]["shapes"][w]))

@@ -23,6 +23,15 @@ their version counters do not show: a device fingerprint of the inputs, 2-norms 
 the call and compared at the rerun; a sharded model whose forward runs collectives; the rerun
 raising) gives no verdict and says why.
 
+NOTE: [inputs the model writes]
+A model that changes its own input in place during its forward (``x.mul_(2)``, a cache it fills)
+leaves nothing to rerun from: the kept references hold the changed values. The root's return sees
+the version counter moved during the call; from the next call on, the root's tensor inputs are
+copied at each call (one copy on the device per input, no wait) and the copies are kept instead.
+A trip in the batch that showed it gets no verdict and says so. Inference tensors
+(``torch.inference_mode``) have no version counter: they are kept as they are, the fingerprint
+alone tells whether they changed, and the rerun runs in inference mode as the call did.
+
 Recovery (``recover=True``, the default with rerun): a transient fault found at the root's return
 (``check="sync"``; in a multi-rank job when every rank that tripped can recover its batch, agreed
 in the trip's handling: NOTE: [device verdict]) is recovered: the rerun's output, with its
@@ -39,12 +48,16 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import socket
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from .. import process as _process
 from ..errors import Attribution
+from . import norm_stats as _norm_stats
+from . import operations as _operations
 from . import replay as _replay
 from . import spikes as _spikes
 from .features import Feature
@@ -56,21 +69,28 @@ except Exception:  # noqa: BLE001 - a torch without distributed
     _DDP = ()
 
 _Tensor = torch.Tensor
+_VALUE, _STATISTICS = "the non-finite value in", "the non-finite running statistics of"
+# What a forward writes: module frames, its operations (ops=True), the running statistics it
+# updates (NOTE: [running statistics]); a rerun of the forward judges a trip in any of them.
+_FORWARD_SECTIONS = ("forward", _operations.SECTION, _norm_stats.SECTION)
 
 
 class _Call:
     """A root call kept for a rerun: its inputs (replay's kept values), the generators' states."""
-    __slots__ = ("batch", "args", "kwargs", "grad", "cpu_rng", "device_rng", "output", "versions",
-                 "before", "changed", "fingerprint")
+    __slots__ = ("batch", "args", "kwargs", "grad", "inference", "cpu_rng", "device_rng", "output", "versions",
+                 "before", "changed", "fingerprint", "copied", "written")
 
     def __init__(self, batch, args, kwargs, grad, cpu_rng, device_rng):
         self.batch, self.args, self.kwargs, self.grad = batch, args, kwargs, grad
+        self.inference = torch.is_inference_mode_enabled()
         self.cpu_rng, self.device_rng = cpu_rng, device_rng
         self.output = None   # the first run's output, once the call returned
         self.versions = ()   # (buffer, version counter) at the call
         self.before = {}     # id(buffer) -> its copy at the call, for the buffers forwards update
         self.changed = None  # ids of the buffers the call changed, once it returned
         self.fingerprint = None  # _fingerprint of the inputs at the call
+        self.copied = False      # the inputs kept are copies (the model writes its own inputs)
+        self.written = None      # the label of an input the call itself changed in place
 
 
 def output_tensors(value, out):
@@ -104,6 +124,18 @@ def _fingerprint(values):
             return torch.stack([p.double() for p in parts]) if parts else None
     except Exception:  # noqa: BLE001 - no fingerprint: the version counters alone tell
         return None
+
+
+def _copy_tensors(value):
+    """`value` with every tensor in it (tuples, lists, dicts) copied on its device, detached, no wait."""
+    if isinstance(value, _Tensor):
+        with torch.no_grad():
+            return value.detach().clone().requires_grad_(value.requires_grad)
+    if type(value) in (list, tuple):
+        return type(value)(_copy_tensors(v) for v in value)
+    if type(value) is dict:
+        return {k: _copy_tensors(v) for k, v in value.items()}
+    return value
 
 
 def _bits(x):
@@ -144,12 +176,16 @@ class RootRerun(Feature):
         self.updated = ()                        # buffers the last call changed (copied at each call)
         self.norms = []                          # the model's BatchNorm-like modules
         self.peers = PeerVerdicts(self)          # multi-rank: the peer's rerun (NOTE: [device verdict])
+        self.lazy = False                        # lazy modules not yet made (nn.LazyLinear, ...)
+        self.copy_inputs = False                 # the model writes its own inputs: keep copies of them
+        self.not_kept = {}                       # batch -> why its call could not be kept
 
     def install(self, model, handles):
         """A pre-hook keeping the root's inputs, a first forward hook keeping its output, and a
         last one returning a recovered output."""
         # BatchNorm's kernels update its running statistics without moving their version counters.
         self.norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)]
+        self.lazy = any(isinstance(m, torch.nn.modules.lazy.LazyModuleMixin) for m in model.modules())
         handles.append(model.register_forward_pre_hook(
             torch.compiler.disable(self._keep), with_kwargs=True))
         handles.append(model.register_forward_hook(
@@ -162,10 +198,22 @@ class RootRerun(Feature):
         if self.running or insp._batch.depth != 1 or insp._batch.closed:
             return None
         self.replacement = self.returning = None
+        if self.lazy:
+            # A lazy module's first forward makes its weights and statistics (drawing from the random
+            # generator): the state that call started from cannot be set again for a rerun.
+            self.lazy = any(map(is_lazy, itertools.chain(module.parameters(), module.buffers())))
+            if self.lazy:
+                self.not_kept = {insp._batch.done: "lazy modules made their parameters during it, so the state it "
+                                                   "started from cannot be set again"}
+                return None
         try:
+            copied = self.copy_inputs
+            if copied:   # NOTE: [inputs the model writes]
+                args, kwargs = _copy_tensors(args), _copy_tensors(kwargs)
             call = _Call(insp._batch.done, tuple(_replay._keep_value(a, False) for a in args),
                          {k: _replay._keep_value(v, False) for k, v in kwargs.items()},
                          torch.is_grad_enabled(), torch.random.get_rng_state(), self._device_rng_state())
+            call.copied = copied
             # The buffers a forward updates (BatchNorm's statistics; learned from the last call) are
             # copied: a corrupted forward poisons them, and a rerun or a recovery starts from these.
             call.versions = [(b, b._version) for b in module.buffers()]
@@ -179,8 +227,9 @@ class RootRerun(Feature):
             self.calls[call.batch] = call
             while len(self.calls) > self.keep:
                 self.calls.popitem(last=False)
-        except Exception:  # e.g. inference tensors have no version counter: no rerun of this call
+        except Exception as exc:  # numguard's failure must not fail the call: no rerun of this one
             self.calls.pop(insp._batch.done, None)
+            self.not_kept = {insp._batch.done: f"{type(exc).__name__}: {exc}"}
         return None
 
     def _returned(self, module, args, output):
@@ -193,6 +242,9 @@ class RootRerun(Feature):
             self.updated = {id(b) for b, v in call.versions if b._version != v}
             call.changed = self.updated | set(call.before)
             self.returning = call.batch
+            if not call.copied:
+                call.written = _replay.changed_in_place(call.args, call.kwargs)
+                self.copy_inputs = call.written is not None
         return None
 
     def _swap(self, module, args, output):
@@ -226,7 +278,7 @@ class RootRerun(Feature):
     # -- the rerun -------------------------------------------------------------------------------
     def annotate_report(self, report, offender):
         frame = self.inspector._ring.frames[offender]
-        if frame.section != "forward":
+        if frame.section not in _FORWARD_SECTIONS:
             result = {"verdict": None, "batch": frame.batch, "reason": (
                 f"the first non-finite value is in the {frame.section} pass; watch(rerun=True) reruns the "
                 "forward: wrap the step in numguard.rerun_step(fn) to rerun its backward too")}
@@ -259,14 +311,21 @@ class RootRerun(Feature):
         call = self.calls.get(batch)
         model, reason = self.target()
         if call is None or self.model_ref() is None:
-            result["reason"] = (f"the inputs of batch {batch} are no longer kept (they are kept until the "
+            why = self.not_kept.get(batch)
+            result["reason"] = (f"the inputs of batch {batch} could not be kept at its call ({why})" if why else
+                                f"the inputs of batch {batch} are no longer kept (they are kept until the "
                                 "check after their batch)")
+            return result
+        if call.written is not None:
+            result["reason"] = (f"{call.written} was changed in place during the call (the model writes its own "
+                                "input), so its values are no longer those the model saw; numguard keeps a copy of "
+                                "the inputs at each call from now on, so a later batch can be rerun")
             return result
         if model is None:
             result["reason"] = reason
             return result
         try:
-            args, kwargs = _replay._resolve(call.args, call.kwargs)
+            args, kwargs = _replay._resolve(call.args, call.kwargs, fingerprinted=call.fingerprint is not None)
         except _replay._NotReplayable as exc:
             result["reason"] = str(exc)
             return result
@@ -274,7 +333,8 @@ class RootRerun(Feature):
             now = _fingerprint([args, kwargs])
             if now is None or not torch.equal(_bits(now), _bits(call.fingerprint)):  # one read, at a rerun only
                 result["reason"] = (f"the inputs of batch {batch} were overwritten since the call without their "
-                                    "version counters moving (a numpy, .data or DLPack write into a reused buffer), "
+                                    "version counters moving (a numpy, .data or DLPack write into a reused buffer, "
+                                    "or an in-place change of an inference tensor, which has no version counter), "
                                     "so a rerun would not see what the model saw")
                 return result
         try:
@@ -324,12 +384,12 @@ class RootRerun(Feature):
             elif self.recover:
                 result["detail"] += "; not recovered: " + self._why_not_recovered(found_at_return, unrestored)
         else:
-            name, cls = reproduced
+            name, cls, what = (*reproduced, _VALUE)[:3]
             result["verdict"] = "reproducible"
             result["module"], result["class"] = name, cls
             bits = {True: "bit for bit", False: "not bit for bit", None: ""}[same]
             result["detail"] = (f"a rerun of batch {batch} on the same inputs and device (random state restored) "
-                                f"reproduced the non-finite value in {name or '(root module)'} ({cls})"
+                                f"reproduced {what} {name or '(root module)'} ({cls})"
                                 + (f", its output {bits} the first run's" if bits else "")
                                 + ("" if self.peers.active() else
                                    ": look at this batch's data and at that module; no data-parallel peer was "
@@ -379,7 +439,8 @@ class RootRerun(Feature):
                 b.data.copy_(copy)
         if result is not None:
             result["recovered"] = True
-            result["detail"] += "; the rerun's output was returned in place of the corrupted one"
+            result["detail"] += "; the rerun's output was returned in place of the corrupted one" + (
+                ", and the buffers it updated were kept" if rerun_buffers else "")
 
     def check_read(self, status):
         self.peers.settle_requests(status)
@@ -440,7 +501,7 @@ class RootRerun(Feature):
                 copy = call.before.get(id(b))
                 if copy is not None:
                     b.data.copy_(copy)
-        rerun_buffers = ()
+        rerun_buffers, statistics = (), []
         cpu_state = torch.random.get_rng_state()
         dev_state = self._device_rng_state()
         batch = insp._batch
@@ -451,10 +512,11 @@ class RootRerun(Feature):
             torch.random.set_rng_state(call.cpu_rng)
             if call.device_rng is not None:
                 self.generator.set_state(call.device_rng)
-            with torch.set_grad_enabled(call.grad):
+            with torch.inference_mode(call.inference), torch.set_grad_enabled(call.grad):
                 output = model(*args, **kwargs)
             rerun_buffers = [(b, b.detach().clone()) for b in model.buffers()
                              if id(b) in (call.changed or ())]
+            statistics = self._statistics_flags(names)   # after the outputs: written at the forward's end
         finally:
             self.running = False
             batch.closed, batch.depth = closed, depth
@@ -467,6 +529,7 @@ class RootRerun(Feature):
                 for b, copy in saved:
                     b.data.copy_(copy)
         reproduced = None
+        flags += statistics
         if flags:
             bad = torch.stack([f for _, f in flags]).tolist()   # one read, after the rerun
             for (name_cls, _), hit in zip(flags, bad):
@@ -478,6 +541,18 @@ class RootRerun(Feature):
                                       for x in top):
             reproduced = names.get(id(model), ("", type(model).__name__))
         return output, reproduced, float(watched[0]) if watched else None, rerun_buffers
+
+    def _statistics_flags(self, names):
+        """((name, class, what), device bool) for the running statistics the rerun updated
+        (NOTE: [running statistics]): non-finite again, the rerun reproduced a trip in them."""
+        found = []
+        for m in self.norms:
+            if not (m.training and m.track_running_stats) or id(m) not in names:
+                continue
+            stats = [b.detach() for b in (m.running_mean, m.running_var) if b is not None and b.is_floating_point()]
+            if stats:
+                found.append(((*names[id(m)], _STATISTICS), torch.stack([~torch.isfinite(b).all() for b in stats]).any()))
+        return found
 
     @staticmethod
     def _unrestored(call):

@@ -43,7 +43,10 @@ that changes only parameter gradients (a bad gradient all_reduce, a corrupted bu
 as "<parameter>.grad norm" of the module that holds the parameter, or as "gradient norm" of the
 root. In time they come after every module's gradient of their batch, the parameter's before the
 total, so a fault the backward carried into them is named where the backward saw it first. A
-sharded parameter's norm is this rank's shard's.
+sharded parameter's norm is this rank's shard's. A sparse gradient (``Embedding(sparse=True)``) is
+checked for NaN/Inf through its values but has no norm row: its values hold repeated indices that
+the optimizer sums, so their norm is not the gradient's (summing them here would cost a host sync
+on a GPU).
 
 The verdict rides on the one read per check: the first spike in time (the earliest batch; in it,
 the forwards' outputs in the order they returned, then the gradients in the backward's order) is
@@ -310,10 +313,15 @@ def loss_of(output):
     return None
 
 
+def _times(factor) -> str:
+    """A spike's factor as people read it: 23.4x, 1.0e+30x (an exponent flip gives huge ones)."""
+    return f"{factor:.1f}x" if factor < 1e4 else f"{factor:.1e}x"
+
+
 def message(spike) -> str:
     name = spike["module"] or "(root module)"
     rank = "" if spike["rank"] is None else f" on rank {spike['rank']}"
     return (f"numguard: spike{rank} in {name} ({spike['class']}) at batch_number={spike['batch']}: "
-            f"{spike['quantity']} {spike['value']:.3e} is {spike['factor']:.1f}x its median of the last "
+            f"{spike['quantity']} {spike['value']:.3e} is {_times(spike['factor'])} its median of the last "
             f"batches ({spike['baseline']:.3e}); a bad batch, an unstable step or a fault on this device "
             f"(NOTE: [spike rule] in numguard/inspector/spikes.py)")

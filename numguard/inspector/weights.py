@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from .. import ops, schema
 from .frames import plain_values
@@ -24,7 +25,9 @@ def stats_device(p):
 
 
 def _watchable(p):
-    return p.device.type != "meta" and not p.is_complex() and p.layout == torch.strided
+    # A lazy module's parameter (nn.LazyLinear) has no shape before its first forward: it is
+    # watched from the batch after (WeightTable.lazy).
+    return p.device.type != "meta" and not is_lazy(p) and not p.is_complex() and p.layout == torch.strided
 
 
 def _unique_params(params, on_unchecked=None):
@@ -64,6 +67,7 @@ class WeightTable:
         self._cache = None           # (parameter ids, layout, positions of the watched ones, dtypes, any subclass)
         self.limits_inv = None       # 1 / dtype max per row (0 for wide dtypes), for headroom
         self._groups = None          # (device per row, rows per device, inverse order on the table's device)
+        self.lazy = []               # parameters of lazy modules not yet made: the layout is rebuilt once they are
         walk = getattr(ops.native_module(), "ParameterWalk", None)
         self._walk = walk() if walk is not None else None  # the steady-state batch (csrc/weights.cpp)
 
@@ -88,9 +92,12 @@ class WeightTable:
         """Compute batch `batch`'s table (one launch) and the owners' weight flags. Every batch
         recomputes it: parameter version counters cannot be trusted to skip it, since writes
         through `.data` do not bump them. `move_to(device)` is called when the model moved."""
+        if self.lazy and not any(map(is_lazy, self.lazy)):
+            self.lazy = []
+            self._cache = None   # a lazy module made its parameters (same objects): a new layout
         cache = self._cache
         stats = None
-        if self._walk is not None and cache is not None and cache[1] is self.layout:
+        if self._walk is not None and cache is not None and cache[1] is self.layout and not self.lazy:
             stats = self._walk.stats(self.owners)
         if stats is None:
             stats = self._record_stats(ring, move_to)
@@ -171,10 +178,12 @@ class WeightTable:
     def _build_layout(self):
         params = self._current_params()
         unique = _unique_params(params, self.on_unchecked)
+        self.lazy = [p for _, own in params for _, p in own if is_lazy(p)]
         index = {id(p): i for i, p in enumerate(unique)}
         wi, mi = [], []
         one_device = all(stats_device(p) == stats_device(unique[0]) for p in unique)
         owners_with = []
+        rows = {}   # id(owner) -> (names, rows) in this layout (a report of an older batch reads its own)
         for owner in self.owners:
             owner.flag = None
         for owner, own in params:
@@ -186,6 +195,7 @@ class WeightTable:
                 widx.append(index[id(p)])
             owner.wnames = tuple(names)
             owner.widx = tuple(widx)
+            rows[id(owner)] = (owner.wnames, owner.widx)
             if widx:
                 owners_with.append(owner)
                 for w in widx:
@@ -206,6 +216,7 @@ class WeightTable:
             "mi": torch.tensor(mi, dtype=torch.int64).to(dev),
             "flags": flags,
             "dtypes": [str(p.dtype) for p in unique],
+            "rows": rows,
             "shapes": [list(p.shape) for p in unique],
         }
         limits = [(1.0 / LOW_PRECISION_MAX[p.dtype]) if p.dtype in LOW_PRECISION_MAX else 0.0 for p in unique]
@@ -261,7 +272,7 @@ class WeightTable:
         if self.limits_inv is None:
             return []
         found = []
-        tables = self.host_tables(list(self.tables))
+        tables = {b: t for b, t in self.host_tables(list(self.tables)).items() if t[1] is self.layout}
         limits = self.limits_inv.cpu().tolist()
         for owner in self.owners:
             for name, w in zip(owner.wnames, owner.widx):
