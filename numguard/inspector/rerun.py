@@ -93,6 +93,25 @@ class _Call:
         self.written = None      # the label of an input the call itself changed in place
 
 
+def rerun_target(model):
+    """(the module a rerun calls, or None; why not): a DDP model's ``.module`` (DDP's forward
+    would start collectives the other ranks never join); none when its forward runs collectives
+    of its own (FSDP, SyncBatchNorm in training)."""
+    if model is None:
+        return None, "the model is gone"
+    if isinstance(_DDP, type) and isinstance(model, _DDP):
+        model = model.module
+    for m in model.modules():
+        name = type(m).__name__
+        if name in ("FullyShardedDataParallel", "FSDPModule") or name.startswith("FSDP"):
+            return None, ("the model is sharded (FSDP): its forward runs collectives the other ranks "
+                          "would not join, so it was not rerun alone")
+        if isinstance(m, torch.nn.SyncBatchNorm) and m.training:
+            return None, ("the model's SyncBatchNorm runs collectives in its forward that the other ranks "
+                          "would not join, so it was not rerun alone")
+    return model, ""
+
+
 def output_tensors(value, out):
     """The tensors inside an output (tuples, lists, dicts and ModelOutput, dataclass fields)."""
     if isinstance(value, _Tensor):
@@ -406,23 +425,8 @@ class RootRerun(Feature):
             self.results.append(self.attribution(result))
 
     def target(self):
-        """(the module a rerun calls, or None; why not): a DDP model's ``.module`` (DDP's forward
-        would start collectives the other ranks never join); none when its forward runs
-        collectives of its own (FSDP, SyncBatchNorm in training)."""
-        model = self.model_ref()
-        if model is None:
-            return None, "the model is gone"
-        if isinstance(_DDP, type) and isinstance(model, _DDP):
-            model = model.module
-        for m in model.modules():
-            name = type(m).__name__
-            if name in ("FullyShardedDataParallel", "FSDPModule") or name.startswith("FSDP"):
-                return None, ("the model is sharded (FSDP): its forward runs collectives the other ranks "
-                              "would not join, so it was not rerun alone")
-            if isinstance(m, torch.nn.SyncBatchNorm) and m.training:
-                return None, ("the model's SyncBatchNorm runs collectives in its forward that the other ranks "
-                              "would not join, so it was not rerun alone")
-        return model, ""
+        """(the module a rerun calls, or None; why not): see rerun_target."""
+        return rerun_target(self.model_ref())
 
     def peer_call(self, batch, cpu_rng, device_rng, before):
         """A call made of what a peer sent (numguard.inspector.peer_verdict), run without gradients."""
