@@ -276,8 +276,8 @@ class RootRerun(Feature):
         self.replacement = None
 
     # -- the rerun -------------------------------------------------------------------------------
-    def annotate_report(self, report, offender):
-        frame = self.inspector._ring.frames[offender]
+    def annotate_report(self, report, offender, frames):
+        frame = frames[offender]
         if frame.section not in _FORWARD_SECTIONS:
             result = {"verdict": None, "batch": frame.batch, "reason": (
                 f"the first non-finite value is in the {frame.section} pass; watch(rerun=True) reruns the "
