@@ -73,6 +73,9 @@ _VALUE, _STATISTICS = "the non-finite value in", "the non-finite running statist
 # What a forward writes: module frames, its operations (ops=True), the running statistics it
 # updates (NOTE: [running statistics]); a rerun of the forward judges a trip in any of them.
 _FORWARD_SECTIONS = ("forward", _operations.SECTION, _norm_stats.SECTION)
+BRACKETED = ("the batch was bracketed by inspector.batch(), as the Lightning callback brackets each step: a rerun "
+             "reruns one call of the root module, not a whole step; wrap the step in numguard.rerun_step(fn) "
+             "to rerun it")
 
 
 class _Call:
@@ -193,6 +196,10 @@ class RootRerun(Feature):
         handles.append(model.register_forward_hook(torch.compiler.disable(self._swap)))
 
     # -- keeping the calls (no device work) ------------------------------------------------------
+    def begin_batch(self, batch):
+        if self.inspector._hooks.bracketing:   # the step is the batch, not a root call: nothing kept
+            self.not_kept = {batch: BRACKETED}
+
     def _keep(self, module, args, kwargs):
         insp = self.inspector
         if self.running or insp._batch.depth != 1 or insp._batch.closed:
