@@ -196,3 +196,27 @@ def test_rerun_of_a_root_call_after_brackets_still_gives_its_verdict():
         model(bad)   # a batch of its own: kept, rerun
     insp.close(check=False)
     assert info.value.attribution is not None and info.value.attribution.verdict == "reproducible"
+
+
+def test_rerun_reason_of_a_bracketed_batch_checked_after_a_later_one():
+    # backward=True with gradient accumulation: the check at the optimizer step comes after the
+    # next bracket began; the reason of the earlier batch was forgotten ("no longer kept").
+    model, x = Net(), torch.randn(3, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    insp = numguard.watch(model, **quiet(rerun=True, backward=True))
+    with insp.batch(step=0):   # a first step: from now on the optimizer step checks the batches
+        loss = model(x).sum()
+    loss.backward()
+    opt.step()
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(numguard.NonFiniteError) as info:
+        for inputs in (bad, x):   # two accumulated batches, then one optimizer step
+            with insp.batch(step=1):   # as Lightning brackets a step: it ends before the backward
+                loss = model(inputs).sum()
+            loss.backward()
+        opt.step()
+    insp.close(check=False)
+    assert info.value.batch_number == 1
+    rerun = insp.last_report["rerun"]
+    assert rerun["batch"] == 1 and "bracketed by inspector.batch()" in rerun["reason"], rerun
