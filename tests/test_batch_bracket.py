@@ -162,3 +162,61 @@ def test_lightning_step_calling_submodules_and_a_nan_loss_outside_them():
         assert "(Lightning global_step=2)" in str(info.value)
         assert trainer.global_step == 2  # stopped before the optimizer wrote the bad step
         assert "training_step" not in model.__dict__ and "forward" not in model.__dict__
+
+
+@pytest.mark.parametrize("root_called", [True, False])
+def test_rerun_of_a_bracketed_batch_says_why_it_gives_no_verdict(root_called):
+    # A rerun reruns one root call; a bracketed batch's inputs are not kept. The reason said they
+    # were "no longer kept (they are kept until the check after their batch)", which was not why.
+    model, x = Net(), torch.randn(3, 4)
+    insp = numguard.watch(model, **quiet(rerun=True))
+    for step in range(2):
+        with insp.batch(step=step):
+            model(x) if root_called else step_through_children(model, x)
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(numguard.NonFiniteError) as info:
+        with insp.batch(step=2):
+            model(bad) if root_called else step_through_children(model, bad)
+    insp.close(check=False)
+    assert info.value.module == "encoder" and info.value.attribution is None
+    rerun = insp.last_report["rerun"]
+    assert rerun["verdict"] is None and "bracketed by inspector.batch()" in rerun["reason"], rerun
+    assert "numguard.rerun_step" in rerun["reason"] and "no longer kept" not in rerun["reason"]
+
+
+def test_rerun_of_a_root_call_after_brackets_still_gives_its_verdict():
+    model, x = Net(), torch.randn(3, 4)
+    insp = numguard.watch(model, **quiet(rerun=True))
+    with insp.batch(step=0):
+        model(x)
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(numguard.NonFiniteError) as info:
+        model(bad)   # a batch of its own: kept, rerun
+    insp.close(check=False)
+    assert info.value.attribution is not None and info.value.attribution.verdict == "reproducible"
+
+
+def test_rerun_reason_of_a_bracketed_batch_checked_after_a_later_one():
+    # backward=True with gradient accumulation: the check at the optimizer step comes after the
+    # next bracket began; the reason of the earlier batch was forgotten ("no longer kept").
+    model, x = Net(), torch.randn(3, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    insp = numguard.watch(model, **quiet(rerun=True, backward=True))
+    with insp.batch(step=0):   # a first step: from now on the optimizer step checks the batches
+        loss = model(x).sum()
+    loss.backward()
+    opt.step()
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(numguard.NonFiniteError) as info:
+        for inputs in (bad, x):   # two accumulated batches, then one optimizer step
+            with insp.batch(step=1):   # as Lightning brackets a step: it ends before the backward
+                loss = model(inputs).sum()
+            loss.backward()
+        opt.step()
+    insp.close(check=False)
+    assert info.value.batch_number == 1
+    rerun = insp.last_report["rerun"]
+    assert rerun["batch"] == 1 and "bracketed by inspector.batch()" in rerun["reason"], rerun

@@ -213,3 +213,45 @@ def test_a_wrapper_compiled_before_watching_its_model_is_named_at_its_first_call
         with pytest.raises(numguard.NonFiniteError):
             compiled(torch.randn(2, 4))
     insp.close(check=False)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("how", ["torch.compile(model)", "model.compile()"])
+def test_rerun_of_a_compiled_model_gives_its_verdict(backend, how):
+    # The report of a compiled model indexes frames merged with the graphs'; the rerun read the
+    # eager ring at that index (IndexError: the verdict was lost, an internal warning said so).
+    model = make_log_model()
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with numguard.watch(model, rerun=True, report_to=None) as insp:
+            compiled = torch.compile(model, backend=backend) if how == "torch.compile(model)" else model
+            if how == "model.compile()":
+                model.compile(backend=backend)
+            with pytest.raises(numguard.NonFiniteError) as info:
+                compiled(x)
+    assert info.value.module == "2"
+    assert [str(w.message) for w in caught if issubclass(w.category, numguard.errors.InspectorWarning)] == []
+    rerun = insp.last_report["rerun"]
+    assert rerun["verdict"] == "reproducible" and rerun["module"] == "2", rerun
+    assert info.value.attribution is not None and info.value.attribution.verdict == "reproducible"
+
+
+@pytest.mark.parametrize("how", ["torch.compile(model)", "model.compile()"])
+def test_quant_of_a_model_compiled_after_watch_measures_the_root_as_it_says(how):
+    # The warning says a compiled module's own output is measured; the root's quant hook ran inside
+    # the graph (skipped there), so the table was empty.
+    model = make_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with numguard.watch(model, report_to=None, quant="float8_e4m3fn") as insp:
+            compiled = torch.compile(model, backend="eager") if how == "torch.compile(model)" else model
+            if how == "model.compile()":
+                model.compile(backend="eager")
+            for _ in range(3):
+                compiled(torch.randn(4, 8))
+            rows = insp.quant_table()
+    (said,) = [str(w.message) for w in caught if "quant= under torch.compile" in str(w.message)]
+    assert "only a compiled module's own output is measured" in said
+    assert [(r["module"], r["quantity"]) for r in rows] == [("", "output")], rows
+    assert rows[0]["batches"] == 3, rows[0]

@@ -29,7 +29,7 @@ class Log(Feature):
     def frames_confirmed(self, ring, start, boundary):
         self.calls.append(("confirmed", boundary - start > 0))
 
-    def annotate_report(self, report, offender):
+    def annotate_report(self, report, offender, frames):
         report["logged"] = True
         self.calls.append(("annotate", report["module"]))
 

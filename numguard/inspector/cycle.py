@@ -201,11 +201,11 @@ class BatchCycle:
                 feature.frames_confirmed(self.ring, self.ring.last_check_frames, status.boundary)
             self.ring.keep_context(status.boundary, self.options.max_frames_to_save)
 
-    def annotate_report(self, report, offender):
+    def annotate_report(self, report, offender, frames):
         """Fields the features add to a trip's report before it is rendered (the module history;
-        with replay=True the replay of the first bad module)."""
+        with replay=True the replay of the first bad module; with rerun=True the rerun's verdict)."""
         for feature in self.features:
-            feature.annotate_report(report, offender)
+            feature.annotate_report(report, offender, frames)
 
 
 __all__ = ["BatchCycle"]

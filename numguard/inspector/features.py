@@ -38,8 +38,10 @@ class Feature:
     def frames_confirmed(self, ring, start: int, boundary: int) -> None:
         """A check found `ring.frames[start:boundary]` finite (nothing tripped)."""
 
-    def annotate_report(self, report: dict, offender: int) -> None:
-        """Add fields to a trip's report before it is rendered (`offender`: the frame index)."""
+    def annotate_report(self, report: dict, offender: int, frames: list) -> None:
+        """Add fields to a trip's report before it is rendered: `frames[offender]` tripped (the
+        report's frames: with a compiled model, the ring's merged with the graphs', so never an
+        index into the ring itself)."""
 
     def close(self) -> None:
         """The Inspector closes: remove what this feature installed (idempotent)."""

@@ -73,6 +73,7 @@ class ModuleHooks:
         self.thread = None                             # the thread running the watched forward
         self.child_hooks = []                          # pre-hooks timing the root's first child
         self.first_child = None
+        self.bracketing = False                        # a batch bracket is beginning a batch now
 
     def install(self, model):
         headroom = self.headroom
@@ -336,7 +337,11 @@ class BatchBracket:
         hooks = self.hooks
         self.state = "open"
         if hooks.root_owner is not None and not hooks.batch.closed:
-            hooks.top_pre_hook(hooks.root_owner, None, ())
+            hooks.bracketing = True   # the features' begin_batch learns who began it
+            try:
+                hooks.top_pre_hook(hooks.root_owner, None, ())
+            finally:
+                hooks.bracketing = False
         return self
 
     def end(self, output=_NOTHING):

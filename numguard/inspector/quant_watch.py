@@ -112,7 +112,10 @@ class QuantWatch(Feature):
         for owner in inspector._owners:
             module = owner.ref() if owner.ref is not None else None
             if module is not None:
-                inspector._handles.append(module.register_forward_hook(self._hook_for(owner)))
+                hook = self._hook_for(owner)
+                if owner.is_root:   # outside any compiled graph, as the root's other hooks (NOTE: [compile])
+                    hook = torch.compiler.disable(hook)
+                inspector._handles.append(module.register_forward_hook(hook))
 
     # -- recording (no host sync) ------------------------------------------------------------
     def _hook_for(self, owner):

@@ -105,7 +105,7 @@ class InputKeeper(Feature):
         if boundary > 0:  # inputs of confirmed batches can no longer be replayed: let them go now
             self.release_through(ring.frames[boundary - 1].batch)
 
-    def annotate_report(self, report, offender):
+    def annotate_report(self, report, offender, frames):
         replayed = replay(self.inspector, self, offender, report)
         if replayed is not None:
             report["replay"] = replayed

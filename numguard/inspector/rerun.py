@@ -73,6 +73,10 @@ _VALUE, _STATISTICS = "the non-finite value in", "the non-finite running statist
 # What a forward writes: module frames, its operations (ops=True), the running statistics it
 # updates (NOTE: [running statistics]); a rerun of the forward judges a trip in any of them.
 _FORWARD_SECTIONS = ("forward", _operations.SECTION, _norm_stats.SECTION)
+_NOT_KEPT = 64   # the batches whose reason for keeping no call is remembered
+BRACKETED = ("the batch was bracketed by inspector.batch(), as the Lightning callback brackets each step: a rerun "
+             "reruns one call of the root module, not a whole step; wrap the step in numguard.rerun_step(fn) "
+             "to rerun it")
 
 
 class _Call:
@@ -197,7 +201,7 @@ class RootRerun(Feature):
         self.peers = PeerVerdicts(self)          # multi-rank: the peer's rerun (NOTE: [device verdict])
         self.lazy = False                        # lazy modules not yet made (nn.LazyLinear, ...)
         self.copy_inputs = False                 # the model writes its own inputs: keep copies of them
-        self.not_kept = {}                       # batch -> why its call could not be kept
+        self.not_kept = collections.OrderedDict()   # batch -> why its call could not be kept (the last few)
 
     def install(self, model, handles):
         """A pre-hook keeping the root's inputs, a first forward hook keeping its output, and a
@@ -212,6 +216,10 @@ class RootRerun(Feature):
         handles.append(model.register_forward_hook(torch.compiler.disable(self._swap)))
 
     # -- keeping the calls (no device work) ------------------------------------------------------
+    def begin_batch(self, batch):
+        if self.inspector._hooks.bracketing:   # the step is the batch, not a root call: nothing kept
+            self._cannot_keep(batch, BRACKETED)
+
     def _keep(self, module, args, kwargs):
         insp = self.inspector
         if self.running or insp._batch.depth != 1 or insp._batch.closed:
@@ -222,8 +230,8 @@ class RootRerun(Feature):
             # generator): the state that call started from cannot be set again for a rerun.
             self.lazy = any(map(is_lazy, itertools.chain(module.parameters(), module.buffers())))
             if self.lazy:
-                self.not_kept = {insp._batch.done: "lazy modules made their parameters during it, so the state it "
-                                                   "started from cannot be set again"}
+                self._cannot_keep(insp._batch.done, "lazy modules made their parameters during it, so the state it "
+                                                    "started from cannot be set again")
                 return None
         try:
             copied = self.copy_inputs
@@ -248,8 +256,13 @@ class RootRerun(Feature):
                 self.calls.popitem(last=False)
         except Exception as exc:  # numguard's failure must not fail the call: no rerun of this one
             self.calls.pop(insp._batch.done, None)
-            self.not_kept = {insp._batch.done: f"{type(exc).__name__}: {exc}"}
+            self._cannot_keep(insp._batch.done, f"{type(exc).__name__}: {exc}")
         return None
+
+    def _cannot_keep(self, batch, why):
+        self.not_kept[batch] = why
+        while len(self.not_kept) > _NOT_KEPT:   # a check folds a few batches (accumulation, check_every)
+            self.not_kept.popitem(last=False)
 
     def _returned(self, module, args, output):
         insp = self.inspector
@@ -295,8 +308,8 @@ class RootRerun(Feature):
         self.replacement = None
 
     # -- the rerun -------------------------------------------------------------------------------
-    def annotate_report(self, report, offender):
-        frame = self.inspector._ring.frames[offender]
+    def annotate_report(self, report, offender, frames):
+        frame = frames[offender]
         if frame.section not in _FORWARD_SECTIONS:
             result = {"verdict": None, "batch": frame.batch, "reason": (
                 f"the first non-finite value is in the {frame.section} pass; watch(rerun=True) reruns the "

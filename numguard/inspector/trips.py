@@ -35,7 +35,7 @@ class Reporter:
         self.last_report = None
         self.trip_message = None          # the NonFiniteError text, when the caller wants its own
         self.step_counter = None          # (label, read): a framework's step, shown next to the batch
-        self.annotate = None              # annotate(report, offender index): adds fields before rendering
+        self.annotate = None              # annotate(report, offender, frames): adds fields before rendering
         self.attribution = lambda rerun: None   # rerun field -> numguard.Attribution (watch(rerun=True))
         self.settle = None   # (rerun field, first fault's rank, shared, tripped) -> the field every rank gives
         self.graph = None                 # the inspector's GraphRecorder (frames inside compiled graphs)
@@ -74,7 +74,7 @@ class Reporter:
                     batch = report["batch"]
                     if self.annotate is not None:
                         try:
-                            self.annotate(report, offender)
+                            self.annotate(report, offender, view.frames)
                         except Exception as exc:  # extra fields never hide the trip
                             warnings.warn(f"numguard: could not add the history/replay to the report "
                                           f"({type(exc).__name__}: {exc})", InspectorWarning, stacklevel=5)

@@ -119,7 +119,7 @@ class HistoryFeature(Feature):
                                                        f"error ({type(exc).__name__}: {exc}); NaN/Inf are still "
                                                        "watched")
 
-    def annotate_report(self, report, offender):
+    def annotate_report(self, report, offender, frames):
         if self.history is not None:
             report["history"] = self.to_dict()
 
