@@ -1,6 +1,8 @@
 """numguard.watch with torch.compile (inductor on the CPU): detection works, numguard causes no
 graph break from a host read of its own, and a watched model is compiled once, not per batch."""
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -187,6 +189,27 @@ def test_quant_and_spikes_on_an_eager_model_say_nothing_of_compile():
                 model(torch.randn(4, 8))
             assert {"0", "1", "2"} <= {r["module"] for r in insp.quant_table()}
     assert not [w for w in caught if "torch.compile" in str(w.message)]
+
+
+def test_the_wrappers_of_a_model_are_found_from_the_model():
+    # NOTE: [wrappers compiled before watch]: found through the model's referrers, not by walking
+    # every object; each wrapper of this model, alive, and none of another model's.
+    from numguard.inspector.graph import compiled_wrappers
+
+    model, other = make_model(), make_model()
+    first, second, elsewhere = torch.compile(model), torch.compile(model), torch.compile(other)
+    first(torch.randn(2, 8))
+    assert vars(first) and vars(second)   # with their __dict__ made, and
+    third = torch.compile(model)          # one without it (Python may keep its attributes inline)
+    found = compiled_wrappers(model)
+    assert len(found) == 3 and {id(w) for w in found} == {id(first), id(second), id(third)}
+    assert [id(w) for w in compiled_wrappers(other)] == [id(elsewhere)]
+    refs = [weakref.ref(second), weakref.ref(third)]
+    del second, third
+    gc.collect()   # a wrapper lives in reference cycles (dynamo may keep one alive a while longer)
+    alive = {id(first)} | {id(r()) for r in refs if r() is not None}
+    assert {id(w) for w in compiled_wrappers(model)} == alive
+    assert compiled_wrappers(make_model()) == []
 
 
 @pytest.mark.parametrize("called_before_watch", [True, False])

@@ -111,11 +111,8 @@ def watch_wrapper_calls(inspector, model) -> list:
     wrapper_class = torch._dynamo.eval_frame.OptimizedModule
     if isinstance(model, wrapper_class) or not torch._dynamo.utils.counters["frames"]["ok"]:
         return []   # nothing compiled yet: a wrapper's first call will trace numguard's hooks
-    import gc
-
     handles = []
-    # type(), not isinstance(): a dead weak proxy among the objects raises on isinstance
-    for wrapper in [o for o in gc.get_objects() if issubclass(type(o), wrapper_class) and o._orig_mod is model]:
+    for wrapper in compiled_wrappers(model):
         batches = []
 
         def before(module, args, batches=batches):
@@ -127,6 +124,32 @@ def watch_wrapper_calls(inspector, model) -> list:
         handles += [wrapper.register_forward_pre_hook(torch.compiler.disable(before)),
                     wrapper.register_forward_hook(torch.compiler.disable(after))]
     return handles
+
+
+def compiled_wrappers(model) -> list:
+    """The torch.compile wrappers (OptimizedModule) of `model` alive now, found from the model up:
+    a wrapper's `_modules` dict holds the model as "_orig_mod", and the wrapper holds that dict
+    (through its instance __dict__ once that exists). One pass over the heap's containers
+    (gc.get_referrers) when no wrapper holds the model, three when one does; a walk over every
+    object (gc.get_objects) cost several times more on a large heap."""
+    import gc
+
+    wrapper_class = torch._dynamo.eval_frame.OptimizedModule
+    # type(), not isinstance(): a dead weak proxy raises on isinstance
+    level = [r for r in gc.get_referrers(model) if issubclass(type(r), dict) and r.get("_orig_mod") is model]
+    found = []
+    for _ in range(2):   # the wrapper itself, or its __dict__ and then the wrapper
+        if not level:
+            break
+        up = []
+        for r in gc.get_referrers(*level):
+            if issubclass(type(r), wrapper_class):
+                if r._orig_mod is model and not any(r is w for w in found):
+                    found.append(r)
+            elif type(r) is dict and any(r.get("_modules") is held for held in level):
+                up.append(r)
+        level = up
+    return found
 
 
 # NOTE: [wrappers compiled before watch] A wrapper of torch.compile that ran before watch(model)

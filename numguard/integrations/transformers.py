@@ -133,25 +133,23 @@ def serve_debug_option() -> None:
 # NOTE: [reporters first] The Trainer puts its reporting callbacks (TensorBoard, W&B, ...) before
 # the user's, and they read `logs` in their on_log before this callback could add numguard's
 # numbers to it. No event comes between the Trainer building `logs` and those reads, and no
-# callback event hands a callback the handler's list, so the list is found once per train() as
-# the one list of callbacks that holds this callback and belongs to a CallbackHandler (the
-# garbage collector's referrers: nothing of the call stack, and nothing patched); this callback
-# then moves ahead of the first reporter. Where it is not found, the numbers still reach the
-# callbacks after this one and the Trainer's log history.
+# callback event hands a callback the handler, its list or the Trainer, so the list is found once
+# per train() as the list of callbacks that holds this callback and the Trainer's
+# DefaultFlowCallback (which every Trainer's CallbackHandler holds): the garbage collector's
+# referrers of this callback, one pass over the heap's containers (nothing of the call stack, and
+# nothing patched); this callback then moves ahead of the first reporter. Where it is not found,
+# the numbers still reach the callbacks after this one and the Trainer's log history.
 def _callback_lists(callback):
-    """The CallbackHandler lists of callbacks that hold `callback` (see NOTE: [reporters first])."""
+    """The Trainer's lists of callbacks that hold `callback` (see NOTE: [reporters first])."""
     import gc
+
+    from transformers.trainer_callback import DefaultFlowCallback
 
     found = []
     for holder in gc.get_referrers(callback):
-        if type(holder) is not list or any(holder is known for known in found):
-            continue
-        for owner in gc.get_referrers(holder):
-            attributes = owner if isinstance(owner, dict) else getattr(owner, "__dict__", None)
-            if (isinstance(attributes, dict) and attributes.get("callbacks") is holder
-                    and "train_dataloader" in attributes and "eval_dataloader" in attributes):
-                found.append(holder)
-                break
+        if (type(holder) is list and not any(holder is known for known in found)
+                and any(isinstance(cb, DefaultFlowCallback) for cb in holder)):
+            found.append(holder)
     return found
 
 
