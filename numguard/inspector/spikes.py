@@ -6,7 +6,8 @@ What is watched is what the per-module history (numguard.inspector.history) alre
 every batch: the abs max of each module's outputs and, with ``backward=True``, of the gradients
 its backward produced. After each fold, every batch it brought in (one per check; several with
 check_every=N or when a step skipped its optimizer step) is tested: its value v of each module is
-compared with the module's own baseline, the batches folded before it (up to 63):
+compared with the module's own baseline, the batches folded before it (up to 63; NOTE: [spike
+baseline]):
 
     spike  <=>  log v - median(log baseline) > max(K * 1.4826 * MAD(log baseline), log MIN_FACTOR)
 
@@ -21,6 +22,26 @@ per step, the window moves with them, and a 10x jump in one step is what a fault
 an exponent, a bad batch) looks like. A gradient's abs max is one element of a heavy-tailed
 distribution: in a healthy 300-step run (tests/test_spikes.py) it jumped 11.5x its median, so its
 floor is MIN_GRADIENT_FACTOR = 100 (an exponent bit flip changes a value by 2^8 or more).
+
+NOTE: [spike baseline]
+The baseline of each value (its median and the margin above) is not recomputed at every check: it
+is computed on the device as one threshold per value, exp(median + margin) of the log rule above
+(+inf where the value is not armed), and each batch is then tested with one comparison against the
+threshold in hand, and the first spike in time taken with one min. It is recomputed at every
+check until the window is full, so that a value arms at the batch where it holds ARM values and a
+young baseline follows its first batches, then once every REFRESH = 8 batches tested. Why this
+keeps the rule: a batch is never part of the baseline it is tested against (the baseline holds
+only batches tested before it), and the only change is its age, at most REFRESH - 1 batches more
+than a fresh one. The window's median already stands about 32 batches behind the newest batch, so
+a value on a trend meets a median at most a quarter further behind; and a trend that moves the
+median by d over the window spreads the window by as much, which raises the margin of 6 robust
+sigmas (the MAD of a steady trend over 63 batches is a quarter of its range, 6 * 1.4826 / 4 = 2.2
+times the range as margin) well above any lag of a few batches. A jump (a new learning rate, a
+spike) meets the old median either way: a fresh median of 63 batches moves only after about 32
+batches of the new level. Healthy 300-step runs with warm-up, cosine decay and dropout stay silent
+(tests/test_spikes.py, benchmarks/bench_faults.py), and a spike is named at its batch at every
+distance from a recomputation (tests). What it saves: the two medians over the window (sorts),
+about half the check's work, at 7 of 8 checks.
 
 NOTE: [loss spikes]
 The loss is watched too when the root returns it: a one-element floating tensor, or a model
@@ -68,6 +89,7 @@ MAD_TO_SIGMA = 1.4826
 MIN_FACTOR = 10.0            # outputs
 MIN_GRADIENT_FACTOR = 100.0  # gradients: their abs max is heavy-tailed even in healthy training
 ARM = 16
+REFRESH = 8  # batches tested against one baseline once the window is full (NOTE: [spike baseline])
 # State buffer words (numguard.inspector.ring._STATE_BUFFER): the spike's code
 # ((batch offset * modules + row) * 2 + field) + 1
 # (0: none), then its value and its baseline as float64 bits.
@@ -89,6 +111,9 @@ class SpikeDetector:
         self._last_tested = None   # the newest batch the last fold tested
         self._order = None         # device int64[rows, 2]: each value's place in time within a batch
         self._floor = None         # device float64[rows, 2]: log of each value's floor
+        self._baseline = None      # device (threshold, median) [rows, 2] each (NOTE: [spike baseline])
+        self._since_baseline = 0   # batches tested since the baseline was computed
+        self._keys = {}            # (batch offsets, outputs skipped) -> device int64[n, rows, 2] places in time
         # Device float64[1 + P, window, 2] of each history slot (NaN: none): row 0 holds |loss| and
         # the total parameter-gradient norm, row 1 + p the norm of parameter p's gradient.
         self.root_rows = None
@@ -197,10 +222,10 @@ class SpikeDetector:
 
     def after_fold(self, history, state_buf, frames=()):
         """Test every batch this fold brought in (`frames`: with check_every=N, or a backward whose
-        step was skipped, a fold holds several) against the module's other batches, and write the
-        first spike in time (earliest batch, then execution order) into `state_buf` unless one is
-        already waiting to be read. Device ops only (the execution order is copied to the device
-        once, and an index list only when a folded batch left no record, without waiting)."""
+        step was skipped, a fold holds several) against the baseline in hand (NOTE: [spike
+        baseline]), and write the first spike in time (earliest batch, then execution order) into
+        `state_buf` unless one is already waiting to be read. Device ops only, and no copy from the
+        host but an offset list where a folded batch left no record."""
         if not frames:
             return
         table = history.table                                  # [modules, window, fields]
@@ -211,9 +236,10 @@ class SpikeDetector:
         spanning = lo == self._last_tested
         lo = max(lo, hi - window + 1)
         self._last_tested = hi
-        present = {b: slot for slot, b in enumerate(history.slot_batch) if b is not None}
-        tested = [b for b in range(lo, hi + 1) if b in present]
-        if not tested or len(present) <= ARM:
+        slot_batch = history.slot_batch
+        tested = [b for b in range(lo, hi + 1) if slot_batch[b % window] == b]
+        held = window - slot_batch.count(None)
+        if not tested or held <= ARM:
             return
         device = table.device
         modules = table.shape[0]
@@ -221,57 +247,84 @@ class SpikeDetector:
         if self._order is None or self._order[0].device != device or self._order[0].shape[0] != rows:
             self._order = self._order_in_batch(frames, modules, device)
             self._floor = self._floors(modules, device)
-        order_in_batch, per_batch = self._order
-        first_batch = tested[0]
-        slots = torch.arange(window, device=device)
-        offset = (slots - first_batch % window) % window        # [W]: each slot's batch - first_batch
-        if len(tested) == tested[-1] - first_batch + 1:         # every batch in the range left records
-            is_tested = offset < len(tested)
-        else:
-            mask = torch.zeros(window, dtype=torch.bool)
-            mask[[present[b] for b in tested]] = True
-            is_tested = host_to_device(mask, device)
+            self._keys.clear()
+            self._baseline = None
         # A strided slice, not a list index (which would copy an index tensor from the host).
         values = table[:, :, OUT_MAX:GRAD_MAX + 1:GRAD_MAX - OUT_MAX]  # [M, W, 2]: outputs, gradients
-        # The root's rows: the loss and the gradient norms (NOTE: [loss spikes], [gradient norm
-        # spikes]).
-        values = torch.cat([values, self._root_rows(window, device)])
-        # The baseline: the batches folded before (a mask, not a boolean index, which would wait
-        # for the device).
-        valid = (values > 0) & torch.isfinite(values)
-        base = valid & ~is_tested.view(1, -1, 1)
-        logs = torch.where(valid, values.clamp(min=1e-300).log(), torch.full_like(values, -math.inf))
-        base_logs = torch.where(base, logs, torch.full_like(values, math.nan))
-        med = base_logs.nanmedian(dim=1).values                  # [M, 2] (NaN: no baseline)
-        mad = (base_logs - med.unsqueeze(1)).abs().nanmedian(dim=1).values
-        armed = base.sum(dim=1) >= ARM
-        margin = torch.maximum(K * MAD_TO_SIGMA * torch.nan_to_num(mad, nan=0.0), self._floor)
-        is_tested = is_tested.view(1, -1, 1)
-        if spanning and tested[0] == lo:
-            outputs = torch.arange(2, device=device) == 0
-            is_tested = is_tested & ~((offset == 0).view(1, -1, 1) & outputs.view(1, 1, 2))
-        spike = armed.unsqueeze(1) & is_tested & ((logs - med.unsqueeze(1)) > margin.unsqueeze(1))  # [M, W, 2]
-        m = spike.shape[0]
-        # Order in time: batch by batch; within one, as _order_in_batch gives it.
-        order = offset.view(1, -1, 1) * per_batch + order_in_batch.view(m, 1, 2)
+        # The root's rows: the loss and the gradient norms (NOTE: [loss spikes], [gradient norm spikes]).
+        root_rows = self._root_rows(window, device)
+        slots = [b % window for b in tested]
+        if self._baseline is None or held < window or self._since_baseline >= REFRESH:
+            self._baseline = self._baseline_of(torch.cat([values, root_rows]), slots)
+            self._since_baseline = 0
+        self._since_baseline += len(tested)
+        upper, baseline = self._baseline
+        first_batch = tested[0]
+        offsets = tuple(b - first_batch for b in tested)
+        skip_outputs = spanning and first_batch == lo
+        # The tested batches, batch by batch: [n, rows, 2], so that an element's flat index is the
+        # spike's code, (batch offset * rows + row) * 2 + field, where the offsets are 0, 1, ...
+        runs = [self._slots(values, root_rows, s, n) for s, n in _runs(slots)]
+        seen = runs[0] if len(runs) == 1 else torch.cat(runs)
+        order, never = self._keys_for(offsets, skip_outputs, device, window)
+        # A value at or above its threshold (+inf where the row is not armed), and finite, is a spike;
+        # its key is its place in time, the smallest key the first spike.
+        key = torch.where(seen.nan_to_num(posinf=0.0) > upper, order, never).view(-1)
+        first, at = key.min(0)
+        if offsets == tuple(range(len(offsets))):
+            code, row_field = at, at if len(offsets) == 1 else at.remainder(2 * rows)
+        else:   # a batch between left no record: its offset from the key
+            row_field = at.remainder(2 * rows)
+            code = first.div(self._order[1], rounding_mode="floor") * (2 * rows) + row_field
+        # gather, not v[at]: indexing with 0-dim tensors reads them on the host
+        found = torch.cat([seen.view(-1).gather(0, at.view(1)), baseline.view(-1).gather(0, row_field.view(1))])
+        words = state_buf[SPIKE_WORDS]
+        torch.where((first < never) & (words[0] == 0), torch.cat([code.view(1) + 1, found.view(torch.int64)]),
+                    words, out=words)
+        self.pending = (first_batch, rows, modules)  # parameters may be added before the read
+
+    @staticmethod
+    def _slots(values, root_rows, start, n):
+        """The values of `n` consecutive history slots from `start`, batch by batch: [n, rows, 2]."""
+        if n == 1:
+            return torch.cat([values[:, start], root_rows[:, start]]).unsqueeze(0)
+        return torch.cat([values.narrow(1, start, n).transpose(0, 1), root_rows.narrow(1, start, n).transpose(0, 1)],
+                         dim=1)
+
+    def _keys_for(self, offsets, skip_outputs, device, window):
+        """(each tested value's place in time, [n, rows, 2], from the batches' `offsets` and the
+        order within a batch; the key of no spike, above every place), kept per list of offsets.
+        `skip_outputs`: the first batch's outputs were tested by the last fold (never a spike)."""
+        order_in_batch, per_batch = self._order
         never = window * per_batch
-        first_order = torch.where(spike, order, torch.full_like(order, never)).amin()
-        hit = first_order < never
-        # The one element with that order (orders are distinct): its place in the table, and its
-        # code for the host, (batch offset * m + row) * 2 + field.
-        at = torch.where(spike & (order == first_order), torch.arange(spike.numel(), device=device).view_as(spike),
-                         torch.full_like(order, spike.numel())).amin().clamp(max=spike.numel() - 1)
-        row, field = at // (window * 2), at % 2
-        code = (offset.gather(0, (at // 2) % window) * m + row) * 2 + field
-        # gather, not v[row, field]: indexing with 0-dim tensors reads them on the host
-        value = values.reshape(-1).gather(0, at.view(1)).view(())
-        baseline = med.reshape(-1).gather(0, (row * 2 + field).view(1)).view(()).exp()
-        free = state_buf[SPIKE_CODE] == 0
-        word = torch.where(hit & free, code + 1, state_buf[SPIKE_CODE])
-        bits = torch.stack([value, baseline]).to(torch.float64).view(torch.int64)
-        state_buf[SPIKE_CODE].copy_(word)
-        state_buf[SPIKE_VALUE:SPIKE_BASELINE + 1].copy_(torch.where(hit & free, bits, state_buf[SPIKE_VALUE:]))
-        self.pending = (first_batch, m, modules)  # parameters may be added before the read
+        cache_key = (offsets, skip_outputs)
+        order = self._keys.get(cache_key)
+        if order is None:
+            if len(self._keys) >= 16:   # offsets that change at every check (batches without records)
+                self._keys.clear()
+            if offsets == tuple(range(len(offsets))):
+                steps = torch.arange(len(offsets), device=device)
+            else:
+                steps = host_to_device(torch.tensor(offsets, dtype=torch.int64), device)
+            order = order_in_batch.unsqueeze(0) + (steps * per_batch).view(-1, 1, 1)
+            if skip_outputs:
+                order[0, :, 0] = never
+            self._keys[cache_key] = order
+        return order, never
+
+    def _baseline_of(self, values, tested_slots):
+        """The baseline of each value (NOTE: [spike rule]) from the history slots but `tested_slots`:
+        (the threshold exp(median + margin) of the log values, +inf where fewer than ARM are held;
+        the median, exp(median)), each [rows, 2]. values: [rows, window, 2]."""
+        valid = (values > 0) & torch.isfinite(values)
+        for slot in tested_slots:   # a mask, not a boolean index, which would wait for the device
+            valid[:, slot] = False
+        logs = torch.where(valid, values.clamp(min=1e-300).log(), math.nan)
+        med = logs.nanmedian(dim=1).values                      # [rows, 2] (NaN: no baseline)
+        mad = (logs - med.unsqueeze(1)).abs().nanmedian(dim=1).values
+        margin = torch.maximum(K * MAD_TO_SIGMA * mad.nan_to_num(nan=0.0), self._floor)
+        armed = valid.sum(dim=1) >= ARM
+        return torch.where(armed, (med + margin).exp(), math.inf), med.exp()
 
     def read(self, values, owners, rank):
         """The spike a check read (its state words `values`), as a dict, or None."""
@@ -300,6 +353,17 @@ class SpikeDetector:
         module, _, parameter = label[:-len(".grad")].rpartition(".")
         owner = next((o for o in owners if o.name == module), None)
         return owner, f"{parameter}.grad norm"
+
+
+def _runs(slots):
+    """(first slot, length) of each run of consecutive slots in `slots`, in order."""
+    runs = []
+    for slot in slots:
+        if runs and slot == runs[-1][0] + runs[-1][1]:
+            runs[-1][1] += 1
+        else:
+            runs.append([slot, 1])
+    return runs
 
 
 def loss_of(output):
