@@ -475,3 +475,31 @@ def test_the_device_test_follows_the_rule_on_hostile_values_gaps_and_cached_base
                                                         (f"m{row}", _spikes.QUANTITIES[field])), (fold, spike)
         assert spike["baseline"] == pytest.approx(median, rel=1e-12)
     assert min(found.values()) >= 3, found   # spikes were met in every kind of fold
+
+
+def test_a_batch_without_a_loss_or_a_step_leaves_no_value_in_its_slot():
+    # The root's rows hold each history slot's loss and gradient norms; a batch that returns no
+    # loss and takes no optimizer step leaves NaN there, not what the batch a window before left
+    # (which would be tested as its own).
+    class Sometimes(WithLoss):
+        returns_loss = True
+
+        def forward(self, x, scale=1.0):
+            return super().forward(x, scale) if self.returns_loss else self.net(x)
+
+    torch.manual_seed(0)
+    model = Sometimes(Net(), torch.randn(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    insp = numguard.watch(model, report_to=None, backward=True, spikes=True)
+    rows = lambda: insp._history.spikes.root_rows[:, :, :]
+    for step in range(2 * WINDOW):
+        model.returns_loss = step < WINDOW
+        opt.zero_grad()
+        out = model(torch.randn(32, 8))
+        (out if model.returns_loss else out.pow(2).mean()).backward()
+        if model.returns_loss:
+            opt.step()
+        if step == WINDOW - 1:
+            assert bool(torch.isfinite(rows()[0, :, 0]).all()) and bool(torch.isfinite(rows()[:, :, 1]).all())
+    assert bool(rows().isnan().all()), rows()
+    insp.close(check=False)

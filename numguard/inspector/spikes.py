@@ -117,6 +117,7 @@ class SpikeDetector:
         # Device float64[1 + P, window, 2] of each history slot (NaN: none): row 0 holds |loss| and
         # the total parameter-gradient norm, row 1 + p the norm of parameter p's gradient.
         self.root_rows = None
+        self._holding = set()      # history slots whose root rows may hold values (else all NaN)
         self.parameters = []       # the labels ("<name>.grad") of rows 1.., in order
         self._parameter_row = {}   # label -> row of root_rows
         self._plans = {}           # tuple of labels -> _plan(...) of that list of parameters
@@ -159,6 +160,7 @@ class SpikeDetector:
             rows = self.root_rows = torch.full((1 + len(self.parameters), window, 2), math.nan,
                                                dtype=torch.float64, device=device)
             self._plans.clear()
+            self._holding = set()
         return rows
 
     @outside_inference_mode
@@ -168,12 +170,16 @@ class SpikeDetector:
         when it has none. One device copy, no host read."""
         rows = self._root_rows(window, device)
         loss = loss_of(output)
+        held = slot in self._holding   # an earlier batch in this slot left a loss or norms there
         if loss is None:
-            rows[:, slot].fill_(math.nan)   # and no gradient norms until a step gives them
+            if held:
+                rows[:, slot].fill_(math.nan)   # and no gradient norms until a step gives them
+                self._holding.discard(slot)
             return
-        if self.parameters:
+        if self.parameters and held:
             rows[:, slot, 1].fill_(math.nan)
         rows[0, slot, 0].copy_(loss.detach().reshape(()).abs())
+        self._holding.add(slot)
 
     @outside_inference_mode
     def note_gradients(self, labels, grads, slot, window, device):
@@ -196,7 +202,8 @@ class SpikeDetector:
         norms = torch.stack(norms if on_device else [n.to(device, non_blocking=True) for n in norms])
         column = self._root_rows(window, device)[:, slot, 1]
         column.index_copy_(0, index, norms.to(torch.float64))
-        column[0].copy_(column[1:].square().nansum().sqrt())
+        torch.linalg.vector_norm(column[1:].nan_to_num(nan=0.0), out=column[0])   # over every optimizer's rows
+        self._holding.add(slot)
 
     def _plan(self, labels, grads, window, device):
         """(device index of the gradients' rows, the positions of the gradients that count or None
@@ -208,11 +215,12 @@ class SpikeDetector:
                 self._parameter_row[label] = 1 + len(self.parameters)
                 self.parameters.append(label)
             self._order = None
-            old = self.root_rows
+            old, holding = self.root_rows, self._holding
             self.root_rows = None
             rows = self._root_rows(window, device)
             if old is not None and old.device == device and old.shape[1] == window:
                 rows[:old.shape[0]].copy_(old)
+                self._holding = holding
         self._root_rows(window, device)
         if not keep:
             return None, None, True
