@@ -114,6 +114,7 @@ class SpikeDetector:
         self._baseline = None      # device (threshold, median) [rows, 2] each (NOTE: [spike baseline])
         self._since_baseline = 0   # batches tested since the baseline was computed
         self._keys = {}            # (batch offsets, outputs skipped) -> device int64[n, rows, 2] places in time
+        self._scratch = None       # _Scratch of the fold's test
         # Device float64[1 + P, window, 2] of each history slot (NaN: none): row 0 holds |loss| and
         # the total parameter-gradient norm, row 1 + p the norm of parameter p's gradient.
         self.root_rows = None
@@ -257,8 +258,10 @@ class SpikeDetector:
             self._floor = self._floors(modules, device)
             self._keys.clear()
             self._baseline = None
-        # A strided slice, not a list index (which would copy an index tensor from the host).
-        values = table[:, :, OUT_MAX:GRAD_MAX + 1:GRAD_MAX - OUT_MAX]  # [M, W, 2]: outputs, gradients
+        scratch = self._scratch
+        if scratch is None or not scratch.fits(table, state_buf, rows):
+            scratch = self._scratch = _Scratch.made(table, state_buf, modules, rows)
+        values = scratch.values   # [M, W, 2]: outputs, gradients
         # The root's rows: the loss and the gradient norms (NOTE: [loss spikes], [gradient norm spikes]).
         root_rows = self._root_rows(window, device)
         slots = [b % window for b in tested]
@@ -270,25 +273,27 @@ class SpikeDetector:
         first_batch = tested[0]
         offsets = tuple(b - first_batch for b in tested)
         skip_outputs = spanning and first_batch == lo
-        # The tested batches, batch by batch: [n, rows, 2], so that an element's flat index is the
-        # spike's code, (batch offset * rows + row) * 2 + field, where the offsets are 0, 1, ...
-        runs = [self._slots(values, root_rows, s, n) for s, n in _runs(slots)]
-        seen = runs[0] if len(runs) == 1 else torch.cat(runs)
+        # The tested batches, batch by batch: [n, rows, 2] ([rows, 2] for one), so that an element's
+        # flat index is the spike's code, (batch offset * rows + row) * 2 + field, where the offsets
+        # are 0, 1, ...
+        if len(slots) == 1:
+            seen = scratch.one_batch(root_rows, slots[0])
+        else:
+            runs = [self._slots(values, root_rows, s, n) for s, n in _runs(slots)]
+            seen = runs[0] if len(runs) == 1 else torch.cat(runs)
         order, never = self._keys_for(offsets, skip_outputs, device, window)
-        # A value at or above its threshold (+inf where the row is not armed), and finite, is a spike;
-        # its key is its place in time, the smallest key the first spike.
-        key = torch.where(seen.nan_to_num(posinf=0.0) > upper, order, never).view(-1)
-        first, at = key.min(0)
-        if offsets == tuple(range(len(offsets))):
-            code, row_field = at, at if len(offsets) == 1 else at.remainder(2 * rows)
+        # A value above its threshold (+inf where the row is not armed), and finite, is a spike; its
+        # key is its place in time, the smallest key the first spike.
+        key = torch.where(seen.nan_to_num(posinf=0.0) > upper, order, never)
+        first, at = key.view(-1).min(0, keepdim=True)                  # [1] each
+        if len(offsets) == 1:
+            code = row_field = at
+        elif offsets == tuple(range(len(offsets))):
+            code, row_field = at, at.remainder(2 * rows)
         else:   # a batch between left no record: its offset from the key
             row_field = at.remainder(2 * rows)
             code = first.div(self._order[1], rounding_mode="floor") * (2 * rows) + row_field
-        # gather, not v[at]: indexing with 0-dim tensors reads them on the host
-        found = torch.cat([seen.view(-1).gather(0, at.view(1)), baseline.view(-1).gather(0, row_field.view(1))])
-        words = state_buf[SPIKE_WORDS]
-        torch.where((first < never) & (words[0] == 0), torch.cat([code.view(1) + 1, found.view(torch.int64)]),
-                    words, out=words)
+        scratch.write(seen, at, row_field, code, first, never, baseline)
         self.pending = (first_batch, rows, modules)  # parameters may be added before the read
 
     @staticmethod
@@ -300,11 +305,14 @@ class SpikeDetector:
                          dim=1)
 
     def _keys_for(self, offsets, skip_outputs, device, window):
-        """(each tested value's place in time, [n, rows, 2], from the batches' `offsets` and the
-        order within a batch; the key of no spike, above every place), kept per list of offsets.
-        `skip_outputs`: the first batch's outputs were tested by the last fold (never a spike)."""
+        """(each tested value's place in time, [n, rows, 2] ([rows, 2] for one batch), from the
+        batches' `offsets` and the order within a batch; the key of no spike, above every place),
+        kept per list of offsets. `skip_outputs`: the first batch's outputs were tested by the last
+        fold (never a spike)."""
         order_in_batch, per_batch = self._order
         never = window * per_batch
+        if offsets == (0,) and not skip_outputs:
+            return order_in_batch, never
         cache_key = (offsets, skip_outputs)
         order = self._keys.get(cache_key)
         if order is None:
@@ -317,13 +325,13 @@ class SpikeDetector:
             order = order_in_batch.unsqueeze(0) + (steps * per_batch).view(-1, 1, 1)
             if skip_outputs:
                 order[0, :, 0] = never
-            self._keys[cache_key] = order
+            self._keys[cache_key] = order = order[0] if len(offsets) == 1 else order
         return order, never
 
     def _baseline_of(self, values, tested_slots):
         """The baseline of each value (NOTE: [spike rule]) from the history slots but `tested_slots`:
         (the threshold exp(median + margin) of the log values, +inf where fewer than ARM are held;
-        the median, exp(median)), each [rows, 2]. values: [rows, window, 2]."""
+        the median, exp(median), flat: [rows * 2]). values: [rows, window, 2]."""
         valid = (values > 0) & torch.isfinite(values)
         for slot in tested_slots:   # a mask, not a boolean index, which would wait for the device
             valid[:, slot] = False
@@ -332,7 +340,7 @@ class SpikeDetector:
         mad = (logs - med.unsqueeze(1)).abs().nanmedian(dim=1).values
         margin = torch.maximum(K * MAD_TO_SIGMA * mad.nan_to_num(nan=0.0), self._floor)
         armed = valid.sum(dim=1) >= ARM
-        return torch.where(armed, (med + margin).exp(), math.inf), med.exp()
+        return torch.where(armed, (med + margin).exp(), math.inf), med.exp().view(-1)
 
     def read(self, values, owners, rank):
         """The spike a check read (its state words `values`), as a dict, or None."""
@@ -361,6 +369,45 @@ class SpikeDetector:
         module, _, parameter = label[:-len(".grad")].rpartition(".")
         owner = next((o for o in owners if o.name == module), None)
         return owner, f"{parameter}.grad norm"
+
+
+class _Scratch:
+    """Views and small device buffers of a fold's test, made once per history table, state buffer
+    and number of rows: each slice is a dispatch, and a torch.cat costs several."""
+
+    def __init__(self, table, state_buf, modules, rows):
+        self.table, self.state_buf, self.rows = table, state_buf, rows
+        # A strided slice, not a list index (which would copy an index tensor from the host).
+        self.values = table[:, :, OUT_MAX:GRAD_MAX + 1:GRAD_MAX - OUT_MAX]   # [M, W, 2]: outputs, gradients
+        self.words, self.code_word = state_buf[SPIKE_WORDS], state_buf[SPIKE_CODE]
+        self.seen = torch.empty((rows, 2), dtype=torch.float64, device=table.device)   # one batch's values
+        self.seen_modules, self.seen_root = self.seen[:modules], self.seen[modules:]
+        self.verdict = torch.zeros(3, dtype=torch.int64, device=table.device)   # the spike words to write
+        found = self.verdict[1:].view(torch.float64)
+        self.code, self.value, self.baseline = self.verdict[0:1], found[0:1], found[1:2]
+
+    @classmethod
+    @outside_inference_mode
+    def made(cls, table, state_buf, modules, rows):
+        return cls(table, state_buf, modules, rows)
+
+    def fits(self, table, state_buf, rows):
+        return self.table is table and self.state_buf is state_buf and self.rows == rows
+
+    def one_batch(self, root_rows, slot):
+        """The values of history slot `slot`, [rows, 2]: two copies, no allocation."""
+        self.seen_modules.copy_(self.values[:, slot])
+        self.seen_root.copy_(root_rows[:, slot])
+        return self.seen
+
+    def write(self, seen, at, row_field, code, first, never, baseline):
+        """Write the spike at flat index `at` of `seen` into the state words (its code, value and
+        baseline), unless none was found (`first` is `never`) or one is waiting to be read."""
+        # gather, not v[at]: indexing with tensors reads them on the host
+        torch.gather(seen.view(-1), 0, at, out=self.value)
+        torch.gather(baseline, 0, row_field, out=self.baseline)
+        torch.add(code, 1, out=self.code)
+        torch.where((first < never) & (self.code_word == 0), self.verdict, self.words, out=self.words)
 
 
 def _runs(slots):
