@@ -10,7 +10,8 @@ armed, under watch(model, spikes=True, rerun=True, on_trip="warn"). A fault coun
 when a NonFiniteWarning or SpikeWarning names its batch within one step; the verdict is correct
 when it is "transient" for "once" and "reproducible" for "every call". Then: false alarms of a
 healthy 300-step run (warm-up and cosine decay, dropout), and the step time of plain watch() vs
-spikes=True, rerun=True, measured in alternating blocks in one process (median ratio).
+spikes=True, rerun=True, measured in alternating blocks in one process once the spike detector's
+window is full (median ratio of wall and of CPU time; --overhead-only: these rows alone).
 
 Multi-rank (--ranks 2,4): each rank trains a DDP copy under watch(spikes=True, rerun=True,
 replicas=1, on_trip="warn"); the faults of each row are planned the same on every rank, each on a
@@ -26,6 +27,7 @@ three healthy runs (warm-up and cosine decay, dropout) per world size, and spike
 against plain watch() on the DDP model, interleaved blocks on every rank.
 
     python benchmarks/bench_faults.py [--faults 100] [--gap 4] [--kinds exponent,sign] [--quick]
+    python benchmarks/bench_faults.py --overhead-only [--blocks 7]
     python benchmarks/bench_faults.py --ranks 2,4 [--faults 20] [--healthy-steps 300]
 
 Prints a table and writes benchmarks/results/bench_faults.json (bench_faults_ranks.json with
@@ -49,6 +51,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import numguard  # noqa: E402
 from numguard.errors import NonFiniteWarning  # noqa: E402
+from numguard.inspector.history import WINDOW  # noqa: E402
 from numguard.inspector.spikes import ARM  # noqa: E402
 from numguard.testing import faults  # noqa: E402
 
@@ -169,38 +172,65 @@ def healthy_alarms(steps=300):
     return out
 
 
-def overhead(blocks=7, steps=20):
-    """The healthy step with spikes=True, rerun=True against plain watch(), interleaved in one run;
-    also both with backward=True (gradients and the parameter-gradient norms watched)."""
+def _timed_block(step, xs, warm):
+    """(wall, process CPU) seconds per step of `step` over `xs`, after `warm` untimed steps."""
+    for x in warm:
+        step(x)
+    t0, c0 = time.perf_counter(), time.process_time()
+    for x in xs:
+        step(x)
+    return (time.perf_counter() - t0) / len(xs), (time.process_time() - c0) / len(xs)
+
+
+def _ratios(times, base, armed):
+    """Per block ratios armed/base of wall and CPU time, their medians and spread."""
+    out = {}
+    for clock, i in (("wall", 0), ("cpu", 1)):
+        ratios = [b[i] / a[i] for a, b in zip(times[base], times[armed])]
+        out[clock] = {"step_ms_base": 1e3 * statistics.median(t[i] for t in times[base]),
+                      "step_ms_armed": 1e3 * statistics.median(t[i] for t in times[armed]),
+                      "ratio_median": statistics.median(ratios), "ratios": ratios}
+    return out
+
+
+def overhead(blocks=7, steps=40):
+    """The healthy step with spikes=True, rerun=True against plain watch(), interleaved blocks in
+    one run; also both with backward=True (gradients and the parameter-gradient norms watched).
+    Each block starts watching and trains untimed until the spike detector's window is full (as
+    in a long run: armed, its baseline recomputed every spikes.REFRESH batches), then times
+    `steps` steps by the wall clock and by the process's CPU time (steadier on a shared machine)."""
     torch.manual_seed(0)
     model = TinyLM()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    xs = [torch.randn(BATCH, SEQ, D) for _ in range(steps)]
+    xs = [torch.randn(BATCH, SEQ, D) for _ in range(WINDOW + 8 + steps)]
+    warm, timed = xs[:WINDOW + 8], xs[WINDOW + 8:]
     armed = {"spikes": True, "rerun": True}
     options = {"watch()": {}, "spikes+rerun": armed,
                "watch(backward)": {"backward": True}, "backward+spikes+rerun": dict(armed, backward=True)}
+
+    def step(x):
+        loss = (model(x) - x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
     times = {name: [] for name in options}
     for _ in range(blocks):
         for name, opts in options.items():
             insp = numguard.watch(model, report_to=None, **opts)
-            for x in xs[:3]:   # warm the hooks
-                model(x)
-            t0 = time.perf_counter()
-            for x in xs:
-                loss = (model(x) - x).pow(2).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-            times[name].append((time.perf_counter() - t0) / steps)
+            times[name].append(_timed_block(step, timed, warm))
             insp.close(check=False)
-    out = {}
-    for base, armed_name, key in (("watch()", "spikes+rerun", ""), ("watch(backward)", "backward+spikes+rerun",
-                                                                    "_backward")):
-        ratios = [b / a for a, b in zip(times[base], times[armed_name])]
-        out.update({f"step_ms_watch{key}": 1e3 * statistics.median(times[base]),
-                    f"step_ms_spikes_rerun{key}": 1e3 * statistics.median(times[armed_name]),
-                    f"ratio_median{key}": statistics.median(ratios), f"ratios{key}": ratios})
-    return out
+    return {"plain": _ratios(times, "watch()", "spikes+rerun"),
+            "backward": _ratios(times, "watch(backward)", "backward+spikes+rerun")}
+
+
+def print_overhead(cost):
+    for key, label in (("plain", ""), ("backward", ", both with backward=True")):
+        for clock in ("wall", "cpu"):
+            c = cost[key][clock]
+            print(f"step {clock} time{label}: watch() {c['step_ms_base']:.2f} ms, spikes+rerun {c['step_ms_armed']:.2f} "
+                  f"ms, ratio median {c['ratio_median']:.3f} (blocks {min(c['ratios']):.3f}-{max(c['ratios']):.3f}) "
+                  f"over {len(c['ratios'])} interleaved blocks")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,28 +376,27 @@ def _multi_healthy(steps, seed, dropout, rank):
             "alarms": sum(1 for w in caught if "numguard" in str(w.message))}
 
 
-def _multi_overhead(blocks, rank, steps=20):
-    """spikes=True, rerun=True against plain watch() on a DDP model, interleaved blocks."""
+def _multi_overhead(blocks, rank, steps=40):
+    """spikes=True, rerun=True against plain watch() on a DDP model, interleaved blocks, each
+    timed after the spike detector's window is full (as overhead())."""
     torch.manual_seed(0)
     ddp = nn.parallel.DistributedDataParallel(TinyLM())
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(rank)
-    xs = [torch.randn(BATCH, SEQ, D, generator=gen) for _ in range(steps)]
+    xs = [torch.randn(BATCH, SEQ, D, generator=gen) for _ in range(WINDOW + 8 + steps)]
+
+    def step(x):
+        (ddp(x) - x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
     times = {"watch()": [], "spikes+rerun": []}
     for _ in range(blocks):
         for name, opts in (("watch()", {}), ("spikes+rerun", {"spikes": True, "rerun": True})):
             insp = numguard.watch(ddp, report_to=None, **opts)
-            for x in xs[:3]:   # warm the hooks
-                (ddp(x) - x).pow(2).mean().backward()
-                opt.zero_grad()
-            t0 = time.perf_counter()
-            for x in xs:
-                (ddp(x) - x).pow(2).mean().backward()
-                opt.step()
-                opt.zero_grad()
-            times[name].append((time.perf_counter() - t0) / steps)
+            times[name].append(_timed_block(step, xs[WINDOW + 8:], xs[:WINDOW + 8]))
             insp.close(check=False)
-    return times
+    return _ratios(times, "watch()", "spikes+rerun")
 
 
 def multi_rank_table(result):
@@ -480,10 +509,10 @@ def main_ranks(args):
             alarms = sum(r["healthy"][result["ranks"][0]["healthy"].index(h)]["alarms"] for r in result["ranks"])
             print(f"{world} ranks, healthy run seed={h['seed']} dropout={h['dropout']}: {alarms} alarms on all "
                   f"ranks in {h['steps']} steps")
-        ratios = [statistics.median(b / a for a, b in zip(r["overhead"]["watch()"], r["overhead"]["spikes+rerun"]))
-                  for r in result["ranks"]]
+        ratios = {clock: [r["overhead"][clock]["ratio_median"] for r in result["ranks"]] for clock in ("wall", "cpu")}
         print(f"{world} ranks, step time spikes+rerun / watch() (median of {args.blocks} interleaved blocks per "
-              f"rank): {', '.join(f'{x:.3f}' for x in ratios)}; {time.perf_counter() - t0:.0f} s in all")
+              f"rank): wall {', '.join(f'{x:.3f}' for x in ratios['wall'])}, CPU "
+              f"{', '.join(f'{x:.3f}' for x in ratios['cpu'])}; {time.perf_counter() - t0:.0f} s in all")
         results[world] = {"rows": rows, "ranks": result["ranks"], "overhead_ratio_by_rank": ratios}
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_faults_ranks.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -504,7 +533,8 @@ def main(argv=None):
                     help="--ranks: faults per row other than exponent flips in outputs and corrupted samples "
                          "(default: --faults)")
     ap.add_argument("--healthy-steps", type=int, default=300)
-    ap.add_argument("--blocks", type=int, default=5)
+    ap.add_argument("--blocks", type=int, default=7, help="interleaved blocks of the overhead rows")
+    ap.add_argument("--overhead-only", action="store_true", help="only the overhead rows (one process)")
     ap.add_argument("--timeout", type=float, default=7200.0, help="seconds per world size")
     ap.add_argument("--rank-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -523,6 +553,9 @@ def main(argv=None):
     if args.ranks:
         main_ranks(args)
         return
+    if args.overhead_only:
+        print_overhead(overhead(args.blocks))
+        return
     n = 10 if args.quick else args.faults
     print(f"{'bit class':>14} {'mode':>10} {'faults':>6} {'>=2^8':>6} {'of them':>6} {'found':>6} {'nonfin':>6} "
           f"{'spike':>6} "
@@ -531,11 +564,8 @@ def main(argv=None):
     healthy = healthy_alarms(60 if args.quick else 300)
     for h in healthy:
         print(f"healthy run seed={h['seed']} dropout={h['dropout']}: {h['alarms']} alarms in {h['steps']} steps")
-    cost = overhead(3 if args.quick else 7)
-    for key, label in (("", ""), ("_backward", ", both with backward=True")):
-        print(f"step time{label}: watch() {cost['step_ms_watch' + key]:.2f} ms, spikes+rerun "
-              f"{cost['step_ms_spikes_rerun' + key]:.2f} ms, median ratio {cost['ratio_median' + key]:.3f} over "
-              f"{len(cost['ratios' + key])} alternating blocks")
+    cost = overhead(3 if args.quick else args.blocks)
+    print_overhead(cost)
     os.makedirs(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), exist_ok=True)
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_faults.json")
     with open(path, "w") as f:

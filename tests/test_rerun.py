@@ -98,6 +98,44 @@ def test_the_recovered_output_equals_a_clean_forward_and_buffers_count_once():
     insp.close()
 
 
+class Ema(nn.Module):
+    """A forward that updates an average of its hidden values, once the root has that buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        if hasattr(self, "ema"):
+            self.ema.mul_(0.9).add_(h.detach().mean(0) * 0.1)
+        return self.out(h)
+
+
+def test_a_buffer_registered_after_watch_is_put_back_and_updated_once_by_a_recovery():
+    # The model's buffers are listed once, and again after any registration: an average the
+    # forward updates, registered after watch(), is copied at the next calls, so a recovery starts
+    # from its clean value and keeps the rerun's update, as a clean run does (not the corrupted one).
+    torch.manual_seed(0)
+    model, clean = Ema(), Ema()
+    clean.load_state_dict(model.state_dict())
+    arm = _once_inf(model.inp)
+    insp = numguard.watch(model, rerun=True, report_to=None)
+    xs = [torch.randn(32, 8) for _ in range(3)]
+    for m in (model, clean):
+        m(xs[0])
+        m.register_buffer("ema", torch.zeros(16))
+        m(xs[1])
+    arm()
+    out, warned = _warnings_of(numguard.errors.NonFiniteWarning, lambda: model(xs[2]))
+    expected = clean(xs[2])
+    assert warned and warned[0].attribution.verdict == "transient", warned
+    assert "returned in place of the corrupted one" in warned[0].attribution.detail
+    assert torch.equal(out, expected) and torch.equal(model.ema, clean.ema)
+    insp.close()
+
+
 def test_a_fault_that_repeats_is_reproducible_and_raises_with_the_attribution():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     insp = numguard.watch(model, rerun=True, report_to=None)

@@ -13,6 +13,7 @@ import torch.nn as nn
 import numguard
 from numguard import env
 from numguard.inspector import spikes as _spikes
+from numguard.inspector.history import GRAD_MAX, OUT_MAX, WINDOW
 from numguard.inspector.spikes import ARM
 from numguard.testing import SyncCounter
 
@@ -324,3 +325,181 @@ def test_a_huge_factor_prints_readably():
     text = _spikes.message(spike)
     assert "is 1.0e+30x its median" in text and "000000" not in text
     assert "is 23.4x its median" in _spikes.message(dict(spike, factor=23.4))
+
+
+def _planted_spikes(model, steps, plants, backward, **watch):
+    """Train `model` `steps` steps with its mid layer's output 1000x at the batches in `plants`;
+    the spikes warned, and the batches whose check recomputed the baseline."""
+    plant = _scale_output_of(model.mid, 1000.0)
+    refreshed = []
+    baseline_of = _spikes.SpikeDetector._baseline_of
+
+    def spy(self, values, tested_slots):
+        refreshed.append(self._last_tested)
+        return baseline_of(self, values, tested_slots)
+    _spikes.SpikeDetector._baseline_of = spy
+    try:
+        _, warned = _train_planted(model, steps, backward, plant, plants, spikes=True, **watch)
+    finally:
+        _spikes.SpikeDetector._baseline_of = baseline_of
+    return [w.message.spike for w in warned], refreshed
+
+
+def _train_planted(model, steps, backward, plant, plants, **watch):
+    torch.manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        insp = numguard.watch(model, report_to=None, backward=backward, **watch)
+        for step in range(steps):
+            plant(step in plants)
+            out = model(torch.randn(32, 8))
+            plant(False)
+            if backward:
+                opt.zero_grad()
+                out.pow(2).mean().backward()
+                opt.step()
+        insp.close(check=False)
+    return insp, [w for w in caught if issubclass(w.category, numguard.SpikeWarning)]
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_spike_is_named_at_its_batch_at_every_phase_of_the_baseline(backward):
+    # NOTE: [spike baseline]: the baseline is recomputed at every check until the window is full,
+    # then every REFRESH batches. A spike is named at its batch wherever it falls: at the first
+    # armed batch, while the window fills, right after a recomputation and at each batch after it.
+    plants = [ARM, ARM + 20] + [WINDOW + 4 + k * (_spikes.REFRESH + 1) for k in range(_spikes.REFRESH)]
+    spikes, refreshed = _planted_spikes(Net(), plants[-1] + 3, set(plants), backward)
+    assert [(s["module"], s["batch"], s["quantity"]) for s in spikes] == [("mid", b, "output abs max")
+                                                                           for b in plants]
+    # The plants after the window filled fell at every distance from the last recomputation.
+    assert refreshed and all(b in refreshed for b in range(ARM, WINDOW - 1))
+    phases = {b - max(r for r in refreshed if r <= b) for b in plants if b >= WINDOW}
+    assert phases == set(range(_spikes.REFRESH)), (phases, refreshed)
+
+
+def _rule(baseline, values, floor):
+    """The spike rule (NOTE: [spike rule]) in float64 on the host: (is it a spike, exp(median)) of
+    `values` against the log values of `baseline` (lists of floats; only finite positive ones count)."""
+    logs = sorted(math.log(max(v, 1e-300)) for v in baseline if v > 0 and math.isfinite(v))
+    if len(logs) < ARM:
+        return False, None
+    med = logs[(len(logs) - 1) // 2]                   # the lower median, as torch.nanmedian
+    dev = sorted(abs(x - med) for x in logs)
+    margin = max(_spikes.K * _spikes.MAD_TO_SIGMA * dev[(len(dev) - 1) // 2], math.log(floor))
+    return values > 0 and math.isfinite(values) and math.log(max(values, 1e-300)) - med > margin, math.exp(med)
+
+
+def test_the_device_test_follows_the_rule_on_hostile_values_gaps_and_cached_baselines():
+    # The detector alone on a synthetic history: random log-normal rows with NaN, +-inf, -0.0, 0,
+    # subnormals, huge and negative values, batches that left no record, several batches per fold,
+    # a first fold's batch tested again for its gradients, spikes planted at random; each fold's
+    # verdict is the first spike in time the rule gives against the baseline of the last
+    # recomputation (every fold until the window is full, then every REFRESH batches).
+    from types import SimpleNamespace
+    gen = torch.Generator().manual_seed(0)
+    modules, window = 4, 32
+    owners = [SimpleNamespace(index=i, is_root=False, name=f"m{i}", cls="Lin") for i in range(modules)]
+    det = _spikes.SpikeDetector("warn")
+    det.root = SimpleNamespace(name="", cls="Root")
+    table = torch.full((modules, window, 6), -math.inf, dtype=torch.float64)
+    history = SimpleNamespace(table=table, slot_batch=[None] * window)
+    root = det._root_rows(window, torch.device("cpu"))
+    state = torch.zeros(8, dtype=torch.int64)
+    hostile = torch.tensor([math.nan, math.inf, -math.inf, -0.0, 0.0, 5e-324, 1e308, -1.0], dtype=torch.float64)
+    fields = (OUT_MAX, GRAD_MAX)
+    baseline, since, last, batch = None, 0, None, 0
+    found = {"cached": 0, "after a gap": 0, "spanning": 0}
+    for fold in range(150):
+        lo = batch
+        n = int(torch.randint(1, 4, (1,), generator=gen))
+        for b in range(batch, batch + n):
+            if torch.rand(1, generator=gen) < 0.2 and b > 0:
+                continue                                 # a batch that left no record
+            slot = b % window
+            history.slot_batch[slot] = b
+            cells = torch.randn(modules + 1, 2, generator=gen, dtype=torch.float64).mul(0.3).exp()
+            odd = torch.rand(modules + 1, 2, generator=gen) < 0.05
+            cells[odd] = hostile[torch.randint(0, len(hostile), (int(odd.sum()),), generator=gen)]
+            if torch.rand(1, generator=gen) < 0.3:
+                cells.view(-1)[int(torch.randint(0, cells.numel(), (1,), generator=gen))] *= 1e4
+            table[:, slot, OUT_MAX], table[:, slot, GRAD_MAX] = cells[:modules, 0], cells[:modules, 1]
+            root[0, slot] = cells[modules]
+        batch += n
+        if last is not None and torch.rand(1, generator=gen) < 0.2:
+            lo = last                                    # its forward was tested, its backward folds now
+        hi = batch - 1
+        frames = [SimpleNamespace(owner=o, section="forward", batch=lo) for o in owners]
+        frames[-1] = SimpleNamespace(owner=owners[-1], section="forward", batch=hi)
+        spanning = lo == last
+        det.after_fold(history, state, frames)
+        last = hi
+        # The rule on the host: which batches are tested, against which baseline.
+        tested = [b for b in range(max(lo, hi - window + 1), hi + 1) if history.slot_batch[b % window] == b]
+        held = window - history.slot_batch.count(None)
+        if not tested or held <= ARM:
+            assert not state.any()
+            continue
+        cell = lambda slot, row, field: float(table[row, slot, fields[field]] if row < modules else root[0, slot, field])
+        cached = not (baseline is None or held < window or since >= _spikes.REFRESH)
+        if not cached:
+            slots = [s for s in range(window) if history.slot_batch[s] is not None and s not in
+                     {b % window for b in tested}]
+            baseline = {(row, field): [cell(s, row, field) for s in slots] for row in range(modules + 1)
+                        for field in (0, 1)}
+            since = 0
+        since += len(tested)
+        order = det._order[0].tolist()
+        expected = None
+        for b in tested:
+            hits = [(order[row][field], row, field) for row in range(modules + 1) for field in (0, 1)
+                    if not (spanning and b == lo and field == 0)
+                    and _rule(baseline[row, field], cell(b % window, row, field),
+                              _spikes.MIN_GRADIENT_FACTOR if field and row < modules else _spikes.MIN_FACTOR)[0]]
+            if hits:
+                _, row, field = min(hits)
+                expected = (b, row, field)
+                break
+        spike = det.read(state.tolist(), owners, None)
+        state.zero_()
+        if expected is None:
+            assert spike is None, (fold, spike)
+            continue
+        b, row, field = expected
+        found["cached"] += cached
+        found["after a gap"] += tested.index(b) != b - tested[0]
+        found["spanning"] += spanning
+        median = _rule(baseline[row, field], 0.0, 10.0)[1]
+        assert spike["batch"] == b and spike["value"] == cell(b % window, row, field), (fold, spike, expected)
+        assert (spike["module"], spike["quantity"]) == (("", ("loss", "gradient norm")[field]) if row == modules else
+                                                        (f"m{row}", _spikes.QUANTITIES[field])), (fold, spike)
+        assert spike["baseline"] == pytest.approx(median, rel=1e-12)
+    assert min(found.values()) >= 3, found   # spikes were met in every kind of fold
+
+
+def test_a_batch_without_a_loss_or_a_step_leaves_no_value_in_its_slot():
+    # The root's rows hold each history slot's loss and gradient norms; a batch that returns no
+    # loss and takes no optimizer step leaves NaN there, not what the batch a window before left
+    # (which would be tested as its own).
+    class Sometimes(WithLoss):
+        returns_loss = True
+
+        def forward(self, x, scale=1.0):
+            return super().forward(x, scale) if self.returns_loss else self.net(x)
+
+    torch.manual_seed(0)
+    model = Sometimes(Net(), torch.randn(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    insp = numguard.watch(model, report_to=None, backward=True, spikes=True)
+    rows = lambda: insp._history.spikes.root_rows[:, :, :]
+    for step in range(2 * WINDOW):
+        model.returns_loss = step < WINDOW
+        opt.zero_grad()
+        out = model(torch.randn(32, 8))
+        (out if model.returns_loss else out.pow(2).mean()).backward()
+        if model.returns_loss:
+            opt.step()
+        if step == WINDOW - 1:
+            assert bool(torch.isfinite(rows()[0, :, 0]).all()) and bool(torch.isfinite(rows()[:, :, 1]).all())
+    assert bool(rows().isnan().all()), rows()
+    insp.close(check=False)

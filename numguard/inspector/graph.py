@@ -105,6 +105,26 @@ def warn_graph_blind(inspector, feature, what, limit=6):
     return True
 
 
+class GraphBlindWarning:
+    """warn_graph_blind for one feature, asked at every batch end: it looks at the watched modules
+    again only when dynamo was asked to compile a frame since it last looked (what
+    modules_in_graphs answers cannot change otherwise; a look walks every watched module, too much
+    for every batch of a large model), and warns once."""
+
+    def __init__(self, feature, what):
+        self.feature, self.what = feature, what
+        self.warned = False
+        self.frames = None   # dynamo's count of frames it was asked to compile, at the last look
+
+    def check(self, inspector):
+        if self.warned:
+            return
+        frames = torch._dynamo.utils.counters["frames"]["total"]
+        if frames != self.frames:
+            self.frames = frames
+            self.warned = warn_graph_blind(inspector, self.feature, self.what)
+
+
 def watch_wrapper_calls(inspector, model) -> list:
     """Hooks on torch.compile wrappers of `model` made before watch(model) (NOTE: [wrappers
     compiled before watch]); their handles."""

@@ -43,7 +43,7 @@ from ..float8 import float8_parts, real_quant_stats
 from ..schema import (QUANT_FORMATS, Q_AMAX, Q_NONFINITE, Q_NONZERO, Q_SATURATED, Q_SCALE_EXP_MAX, Q_SCALE_EXP_MIN,
                       Q_SQ_ERROR, Q_UNDERFLOW)
 from .features import Feature
-from .graph import warn_graph_blind
+from .graph import GraphBlindWarning
 from .history import WINDOW
 from .ring import host_to_device
 from .rerun import output_tensors
@@ -101,7 +101,9 @@ class QuantWatch(Feature):
         # (last batch in, {device: float64[capacity, 2]}): the non-zero and underflow sums as they
         # stood at each batch's start, for the per-batch series (one small device copy a batch)
         self.snapshots = collections.deque(maxlen=WINDOW + 1)
-        self.graph_checked = False  # said once what torch.compile hides
+        self.graph_blind = GraphBlindWarning(   # says once what torch.compile hides
+            "quant", "where its hooks do not run: they have no row in quant_table() (only a compiled module's own "
+            "output is measured, eagerly). Watch the model uncompiled for their what-if.")
         # amax_group (NOTE: [amax digest]): each row's amax since the last check, per device, and
         # the rows' hashes there (rebuilt when rows are added)
         self.amax = {}
@@ -297,10 +299,7 @@ class QuantWatch(Feature):
         self.seen.clear()
 
     def end_batch(self, batch):
-        if not self.graph_checked:
-            self.graph_checked = warn_graph_blind(
-                self.inspector, "quant", f"where its hooks do not run: they have no row in quant_table() (only a "
-                "compiled module's own output is measured, eagerly). Watch the model uncompiled for their what-if.")
+        self.graph_blind.check(self.inspector)
 
     def _counts(self):
         return {device: sums[:, Q_NONZERO:Q_UNDERFLOW + 1].clone() for device, sums in self.sums.items()}

@@ -134,17 +134,24 @@ def output_tensors(value, out):
 
 def _fingerprint(values):
     """A device summary of the tensors in a call's inputs (the 2-norms of the floating ones, the
-    sums of the others), to tell at a rerun whether they were overwritten in a way their version
-    counters do not show (a numpy, ``.data`` or DLPack write into a reused buffer). None when there
-    is nothing to summarize or it cannot be made (mixed devices, a tensor subclass)."""
+    sums of the others, their bits as float64), to tell at a rerun whether they were overwritten
+    in a way their version counters do not show (a numpy, ``.data`` or DLPack write into a reused
+    buffer). None when there is nothing to summarize or it cannot be made (mixed devices, a tensor
+    subclass). A few launches per call whatever the number of inputs, no wait."""
     try:
-        with torch.no_grad():
-            xs = [x.detach() for x in output_tensors(values, []) if type(x) is _Tensor
-                  and x.layout == torch.strided and x.numel() and not x.is_complex()]
-            floats = [x for x in xs if x.is_floating_point()]
-            parts = list(torch._foreach_norm(floats, 2, dtype=torch.float32)) if floats else []
-            parts += [x.sum(dtype=torch.int64) for x in xs if not x.is_floating_point()]
-            return torch.stack([p.double() for p in parts]) if parts else None
+        xs = [x.detach() if x.requires_grad else x for x in output_tensors(values, []) if type(x) is _Tensor
+              and x.layout == torch.strided and x.numel() and not x.is_complex()]
+        floats = [x for x in xs if x.is_floating_point()]
+        others = [x for x in xs if not x.is_floating_point()]
+        parts = []
+        if len(floats) == 1:   # one input (the common case): one launch
+            parts.append(torch.linalg.vector_norm(floats[0], dtype=torch.float64).view(1))
+        elif floats:
+            parts.append(torch.stack(torch._foreach_norm(floats, 2, dtype=torch.float32)).double())
+        if others:
+            sums = [x.sum(dtype=torch.int64) for x in others]
+            parts.append((sums[0].view(1) if len(sums) == 1 else torch.stack(sums)).view(torch.float64))
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
     except Exception:  # noqa: BLE001 - no fingerprint: the version counters alone tell
         return None
 
@@ -180,6 +187,39 @@ def identical(a, b) -> bool:
     return True
 
 
+def _statistics_flags(norms, names):
+    """((name, class, what), device bool) for the running statistics a rerun updated (NOTE:
+    [running statistics]) of the BatchNorm-like modules `norms`: non-finite again, the rerun
+    reproduced a trip in them."""
+    found = []
+    for m in norms:
+        if not (m.training and m.track_running_stats) or id(m) not in names:
+            continue
+        stats = [b.detach() for b in (m.running_mean, m.running_var) if b is not None and b.is_floating_point()]
+        if stats:
+            found.append(((*names[id(m)], _STATISTICS), torch.stack([~torch.isfinite(b).all() for b in stats]).any()))
+    return found
+
+
+def _unrestored(call):
+    """How many buffers the call changed that were not copied at the call."""
+    return sum(1 for i in (call.changed or ()) if i not in call.before)
+
+
+def _why_not_recovered(opts, found_at_return, unrestored) -> str:
+    """Why a transient fault was not recovered, under the watch options `opts`."""
+    if found_at_return and unrestored:
+        return (f"the corrupted forward changed {unrestored} buffer(s) numguard held no copy of (the first "
+                "batch's, or buffers a forward had not changed before)")
+    if opts.backward:
+        return ("with backward=True a training forward is checked with its optimizer step, after the backward "
+                "has used the corrupted output; decorate the step (forward and backward) with "
+                "@numguard.rerun_step to recover it")
+    return (f"the fault was found after the batch had returned (check={opts.check!r}, "
+            f"check_every={opts.check_every}); a forward is recovered when it is checked at its return "
+            "(check='sync', check_every=1)")
+
+
 class RootRerun(Feature):
     """The root's kept calls and the rerun that judges a trip (NOTE: [rerun verdict])."""
 
@@ -197,6 +237,7 @@ class RootRerun(Feature):
         self.model_ref = inspector._model_ref
         self.results = inspector.verdicts        # every verdict, as Attribution
         self.updated = ()                        # buffers the last call changed (copied at each call)
+        self.buffers = None                      # (module, name) of the model's buffers (_buffer_versions)
         self.norms = []                          # the model's BatchNorm-like modules
         self.peers = PeerVerdicts(self)          # multi-rank: the peer's rerun (NOTE: [device verdict])
         self.lazy = False                        # lazy modules not yet made (nn.LazyLinear, ...)
@@ -209,6 +250,9 @@ class RootRerun(Feature):
         # BatchNorm's kernels update its running statistics without moving their version counters.
         self.norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)]
         self.lazy = any(isinstance(m, torch.nn.modules.lazy.LazyModuleMixin) for m in model.modules())
+        for register in (torch.nn.modules.module.register_module_buffer_registration_hook,
+                         torch.nn.modules.module.register_module_module_registration_hook):
+            handles.append(register(self._relist))
         handles.append(model.register_forward_pre_hook(
             torch.compiler.disable(self._keep), with_kwargs=True))
         handles.append(model.register_forward_hook(
@@ -243,7 +287,7 @@ class RootRerun(Feature):
             call.copied = copied
             # The buffers a forward updates (BatchNorm's statistics; learned from the last call) are
             # copied: a corrupted forward poisons them, and a rerun or a recovery starts from these.
-            call.versions = [(b, b._version) for b in module.buffers()]
+            call.versions = self._buffer_versions(module)
             copied = [b for b, _ in call.versions if id(b) in self.updated] + [
                 b for m in self.norms if m.training and m.track_running_stats
                 for b in (m.running_mean, m.running_var, m.num_batches_tracked)
@@ -263,6 +307,17 @@ class RootRerun(Feature):
         self.not_kept[batch] = why
         while len(self.not_kept) > _NOT_KEPT:   # a check folds a few batches (accumulation, check_every)
             self.not_kept.popitem(last=False)
+
+    def _buffer_versions(self, module):
+        """(buffer, version counter) of the model's buffers. They are listed once, and again after
+        any buffer or module is registered (setattr, register_buffer, add_module): a walk of every
+        module at every call cost more than the rest of keeping it."""
+        if self.buffers is None:
+            self.buffers = [(m, name) for m in module.modules() for name in m._buffers]
+        return [(b, b._version) for m, name in self.buffers if (b := m._buffers.get(name)) is not None]
+
+    def _relist(self, *registered):
+        self.buffers = None
 
     def _returned(self, module, args, output):
         insp = self.inspector
@@ -407,14 +462,15 @@ class RootRerun(Feature):
             result["detail"] = (f"a rerun of batch {batch} on the same inputs and device (random state restored) "
                                 "gave finite values everywhere: the first result was corrupted on the way "
                                 "(a bit flip in a register or memory, a race), not by the data or the model")
-            unrestored = self._unrestored(call)
+            unrestored = _unrestored(call)
             if found_at_return and self.recover and not unrestored:
                 if self.peers.active():   # every rank agrees first (NOTE: [device verdict])
                     self.peers.tentative = (output, rerun_buffers)
                 else:
                     self.commit(result, output, rerun_buffers)
             elif self.recover:
-                result["detail"] += "; not recovered: " + self._why_not_recovered(found_at_return, unrestored)
+                result["detail"] += "; not recovered: " + _why_not_recovered(self.inspector.options, found_at_return,
+                                                                              unrestored)
         else:
             name, cls, what = (*reproduced, _VALUE)[:3]
             result["verdict"] = "reproducible"
@@ -461,19 +517,6 @@ class RootRerun(Feature):
 
     def check_read(self, status):
         self.peers.settle_requests(status)
-
-    def _why_not_recovered(self, found_at_return, unrestored) -> str:
-        opts = self.inspector.options
-        if found_at_return and unrestored:
-            return (f"the corrupted forward changed {unrestored} buffer(s) numguard held no copy of (the first "
-                    "batch's, or buffers a forward had not changed before)")
-        if opts.backward:
-            return ("with backward=True a training forward is checked with its optimizer step, after the backward "
-                    "has used the corrupted output; decorate the step (forward and backward) with "
-                    "@numguard.rerun_step to recover it")
-        return (f"the fault was found after the batch had returned (check={opts.check!r}, "
-                f"check_every={opts.check_every}); a forward is recovered when it is checked at its return "
-                "(check='sync', check_every=1)")
 
     def attribution(self, result) -> Attribution | None:
         if not result.get("verdict"):
@@ -533,7 +576,7 @@ class RootRerun(Feature):
                 output = model(*args, **kwargs)
             rerun_buffers = [(b, b.detach().clone()) for b in model.buffers()
                              if id(b) in (call.changed or ())]
-            statistics = self._statistics_flags(names)   # after the outputs: written at the forward's end
+            statistics = _statistics_flags(self.norms, names)   # after the outputs: written at the forward's end
         finally:
             self.running = False
             batch.closed, batch.depth = closed, depth
@@ -558,23 +601,6 @@ class RootRerun(Feature):
                                       for x in top):
             reproduced = names.get(id(model), ("", type(model).__name__))
         return output, reproduced, float(watched[0]) if watched else None, rerun_buffers
-
-    def _statistics_flags(self, names):
-        """((name, class, what), device bool) for the running statistics the rerun updated
-        (NOTE: [running statistics]): non-finite again, the rerun reproduced a trip in them."""
-        found = []
-        for m in self.norms:
-            if not (m.training and m.track_running_stats) or id(m) not in names:
-                continue
-            stats = [b.detach() for b in (m.running_mean, m.running_var) if b is not None and b.is_floating_point()]
-            if stats:
-                found.append(((*names[id(m)], _STATISTICS), torch.stack([~torch.isfinite(b).all() for b in stats]).any()))
-        return found
-
-    @staticmethod
-    def _unrestored(call):
-        """How many buffers the call changed that were not copied at the call."""
-        return sum(1 for i in (call.changed or ()) if i not in call.before)
 
 
 RootRerun.output_tensors = staticmethod(output_tensors)

@@ -6,7 +6,8 @@ What is watched is what the per-module history (numguard.inspector.history) alre
 every batch: the abs max of each module's outputs and, with ``backward=True``, of the gradients
 its backward produced. After each fold, every batch it brought in (one per check; several with
 check_every=N or when a step skipped its optimizer step) is tested: its value v of each module is
-compared with the module's own baseline, the batches folded before it (up to 63):
+compared with the module's own baseline, the batches folded before it (up to 63; NOTE: [spike
+baseline]):
 
     spike  <=>  log v - median(log baseline) > max(K * 1.4826 * MAD(log baseline), log MIN_FACTOR)
 
@@ -21,6 +22,26 @@ per step, the window moves with them, and a 10x jump in one step is what a fault
 an exponent, a bad batch) looks like. A gradient's abs max is one element of a heavy-tailed
 distribution: in a healthy 300-step run (tests/test_spikes.py) it jumped 11.5x its median, so its
 floor is MIN_GRADIENT_FACTOR = 100 (an exponent bit flip changes a value by 2^8 or more).
+
+NOTE: [spike baseline]
+The baseline of each value (its median and the margin above) is not recomputed at every check: it
+is computed on the device as one threshold per value, exp(median + margin) of the log rule above
+(+inf where the value is not armed), and each batch is then tested with one comparison against the
+threshold in hand, and the first spike in time taken with one min. It is recomputed at every
+check until the window is full, so that a value arms at the batch where it holds ARM values and a
+young baseline follows its first batches, then once every REFRESH = 8 batches tested. Why this
+keeps the rule: a batch is never part of the baseline it is tested against (the baseline holds
+only batches tested before it), and the only change is its age, at most REFRESH - 1 batches more
+than a fresh one. The window's median already stands about 32 batches behind the newest batch, so
+a value on a trend meets a median at most a quarter further behind; and a trend that moves the
+median by d over the window spreads the window by as much, which raises the margin of 6 robust
+sigmas (the MAD of a steady trend over 63 batches is a quarter of its range, 6 * 1.4826 / 4 = 2.2
+times the range as margin) well above any lag of a few batches. A jump (a new learning rate, a
+spike) meets the old median either way: a fresh median of 63 batches moves only after about 32
+batches of the new level. Healthy 300-step runs with warm-up, cosine decay and dropout stay silent
+(tests/test_spikes.py, benchmarks/bench_faults.py), and a spike is named at its batch at every
+distance from a recomputation (tests). What it saves: the two medians over the window (sorts),
+about half the check's work, at 7 of 8 checks.
 
 NOTE: [loss spikes]
 The loss is watched too when the root returns it: a one-element floating tensor, or a model
@@ -68,6 +89,7 @@ MAD_TO_SIGMA = 1.4826
 MIN_FACTOR = 10.0            # outputs
 MIN_GRADIENT_FACTOR = 100.0  # gradients: their abs max is heavy-tailed even in healthy training
 ARM = 16
+REFRESH = 8  # batches tested against one baseline once the window is full (NOTE: [spike baseline])
 # State buffer words (numguard.inspector.ring._STATE_BUFFER): the spike's code
 # ((batch offset * modules + row) * 2 + field) + 1
 # (0: none), then its value and its baseline as float64 bits.
@@ -89,9 +111,14 @@ class SpikeDetector:
         self._last_tested = None   # the newest batch the last fold tested
         self._order = None         # device int64[rows, 2]: each value's place in time within a batch
         self._floor = None         # device float64[rows, 2]: log of each value's floor
+        self._baseline = None      # device (threshold, median) [rows, 2] each (NOTE: [spike baseline])
+        self._since_baseline = 0   # batches tested since the baseline was computed
+        self._keys = {}            # (batch offsets, outputs skipped) -> device int64[n, rows, 2] places in time
+        self._scratch = None       # _Scratch of the fold's test
         # Device float64[1 + P, window, 2] of each history slot (NaN: none): row 0 holds |loss| and
         # the total parameter-gradient norm, row 1 + p the norm of parameter p's gradient.
         self.root_rows = None
+        self._holding = set()      # history slots whose root rows may hold values (else all NaN)
         self.parameters = []       # the labels ("<name>.grad") of rows 1.., in order
         self._parameter_row = {}   # label -> row of root_rows
         self._plans = {}           # tuple of labels -> _plan(...) of that list of parameters
@@ -134,6 +161,7 @@ class SpikeDetector:
             rows = self.root_rows = torch.full((1 + len(self.parameters), window, 2), math.nan,
                                                dtype=torch.float64, device=device)
             self._plans.clear()
+            self._holding = set()
         return rows
 
     @outside_inference_mode
@@ -143,12 +171,16 @@ class SpikeDetector:
         when it has none. One device copy, no host read."""
         rows = self._root_rows(window, device)
         loss = loss_of(output)
+        held = slot in self._holding   # an earlier batch in this slot left a loss or norms there
         if loss is None:
-            rows[:, slot].fill_(math.nan)   # and no gradient norms until a step gives them
+            if held:
+                rows[:, slot].fill_(math.nan)   # and no gradient norms until a step gives them
+                self._holding.discard(slot)
             return
-        if self.parameters:
+        if self.parameters and held:
             rows[:, slot, 1].fill_(math.nan)
         rows[0, slot, 0].copy_(loss.detach().reshape(()).abs())
+        self._holding.add(slot)
 
     @outside_inference_mode
     def note_gradients(self, labels, grads, slot, window, device):
@@ -171,7 +203,8 @@ class SpikeDetector:
         norms = torch.stack(norms if on_device else [n.to(device, non_blocking=True) for n in norms])
         column = self._root_rows(window, device)[:, slot, 1]
         column.index_copy_(0, index, norms.to(torch.float64))
-        column[0].copy_(column[1:].square().nansum().sqrt())
+        torch.linalg.vector_norm(column[1:].nan_to_num(nan=0.0), out=column[0])   # over every optimizer's rows
+        self._holding.add(slot)
 
     def _plan(self, labels, grads, window, device):
         """(device index of the gradients' rows, the positions of the gradients that count or None
@@ -183,11 +216,12 @@ class SpikeDetector:
                 self._parameter_row[label] = 1 + len(self.parameters)
                 self.parameters.append(label)
             self._order = None
-            old = self.root_rows
+            old, holding = self.root_rows, self._holding
             self.root_rows = None
             rows = self._root_rows(window, device)
             if old is not None and old.device == device and old.shape[1] == window:
                 rows[:old.shape[0]].copy_(old)
+                self._holding = holding
         self._root_rows(window, device)
         if not keep:
             return None, None, True
@@ -197,10 +231,10 @@ class SpikeDetector:
 
     def after_fold(self, history, state_buf, frames=()):
         """Test every batch this fold brought in (`frames`: with check_every=N, or a backward whose
-        step was skipped, a fold holds several) against the module's other batches, and write the
-        first spike in time (earliest batch, then execution order) into `state_buf` unless one is
-        already waiting to be read. Device ops only (the execution order is copied to the device
-        once, and an index list only when a folded batch left no record, without waiting)."""
+        step was skipped, a fold holds several) against the baseline in hand (NOTE: [spike
+        baseline]), and write the first spike in time (earliest batch, then execution order) into
+        `state_buf` unless one is already waiting to be read. Device ops only, and no copy from the
+        host but an offset list where a folded batch left no record."""
         if not frames:
             return
         table = history.table                                  # [modules, window, fields]
@@ -211,9 +245,10 @@ class SpikeDetector:
         spanning = lo == self._last_tested
         lo = max(lo, hi - window + 1)
         self._last_tested = hi
-        present = {b: slot for slot, b in enumerate(history.slot_batch) if b is not None}
-        tested = [b for b in range(lo, hi + 1) if b in present]
-        if not tested or len(present) <= ARM:
+        slot_batch = history.slot_batch
+        tested = [b for b in range(lo, hi + 1) if slot_batch[b % window] == b]
+        held = window - slot_batch.count(None)
+        if not tested or held <= ARM:
             return
         device = table.device
         modules = table.shape[0]
@@ -221,57 +256,91 @@ class SpikeDetector:
         if self._order is None or self._order[0].device != device or self._order[0].shape[0] != rows:
             self._order = self._order_in_batch(frames, modules, device)
             self._floor = self._floors(modules, device)
-        order_in_batch, per_batch = self._order
+            self._keys.clear()
+            self._baseline = None
+        scratch = self._scratch
+        if scratch is None or not scratch.fits(table, state_buf, rows):
+            scratch = self._scratch = _Scratch.made(table, state_buf, modules, rows)
+        values = scratch.values   # [M, W, 2]: outputs, gradients
+        # The root's rows: the loss and the gradient norms (NOTE: [loss spikes], [gradient norm spikes]).
+        root_rows = self._root_rows(window, device)
+        slots = [b % window for b in tested]
+        if self._baseline is None or held < window or self._since_baseline >= REFRESH:
+            self._baseline = self._baseline_of(torch.cat([values, root_rows]), slots)
+            self._since_baseline = 0
+        self._since_baseline += len(tested)
+        upper, baseline = self._baseline
         first_batch = tested[0]
-        slots = torch.arange(window, device=device)
-        offset = (slots - first_batch % window) % window        # [W]: each slot's batch - first_batch
-        if len(tested) == tested[-1] - first_batch + 1:         # every batch in the range left records
-            is_tested = offset < len(tested)
+        offsets = tuple(b - first_batch for b in tested)
+        skip_outputs = spanning and first_batch == lo
+        # The tested batches, batch by batch: [n, rows, 2] ([rows, 2] for one), so that an element's
+        # flat index is the spike's code, (batch offset * rows + row) * 2 + field, where the offsets
+        # are 0, 1, ...
+        if len(slots) == 1:
+            seen = scratch.one_batch(root_rows, slots[0])
         else:
-            mask = torch.zeros(window, dtype=torch.bool)
-            mask[[present[b] for b in tested]] = True
-            is_tested = host_to_device(mask, device)
-        # A strided slice, not a list index (which would copy an index tensor from the host).
-        values = table[:, :, OUT_MAX:GRAD_MAX + 1:GRAD_MAX - OUT_MAX]  # [M, W, 2]: outputs, gradients
-        # The root's rows: the loss and the gradient norms (NOTE: [loss spikes], [gradient norm
-        # spikes]).
-        values = torch.cat([values, self._root_rows(window, device)])
-        # The baseline: the batches folded before (a mask, not a boolean index, which would wait
-        # for the device).
-        valid = (values > 0) & torch.isfinite(values)
-        base = valid & ~is_tested.view(1, -1, 1)
-        logs = torch.where(valid, values.clamp(min=1e-300).log(), torch.full_like(values, -math.inf))
-        base_logs = torch.where(base, logs, torch.full_like(values, math.nan))
-        med = base_logs.nanmedian(dim=1).values                  # [M, 2] (NaN: no baseline)
-        mad = (base_logs - med.unsqueeze(1)).abs().nanmedian(dim=1).values
-        armed = base.sum(dim=1) >= ARM
-        margin = torch.maximum(K * MAD_TO_SIGMA * torch.nan_to_num(mad, nan=0.0), self._floor)
-        is_tested = is_tested.view(1, -1, 1)
-        if spanning and tested[0] == lo:
-            outputs = torch.arange(2, device=device) == 0
-            is_tested = is_tested & ~((offset == 0).view(1, -1, 1) & outputs.view(1, 1, 2))
-        spike = armed.unsqueeze(1) & is_tested & ((logs - med.unsqueeze(1)) > margin.unsqueeze(1))  # [M, W, 2]
-        m = spike.shape[0]
-        # Order in time: batch by batch; within one, as _order_in_batch gives it.
-        order = offset.view(1, -1, 1) * per_batch + order_in_batch.view(m, 1, 2)
+            runs = [self._slots(values, root_rows, s, n) for s, n in _runs(slots)]
+            seen = runs[0] if len(runs) == 1 else torch.cat(runs)
+        order, never = self._keys_for(offsets, skip_outputs, device, window)
+        # A value above its threshold (+inf where the row is not armed), and finite, is a spike; its
+        # key is its place in time, the smallest key the first spike.
+        key = torch.where(seen.nan_to_num(posinf=0.0) > upper, order, never)
+        first, at = key.view(-1).min(0, keepdim=True)                  # [1] each
+        if len(offsets) == 1:
+            code = row_field = at
+        elif offsets == tuple(range(len(offsets))):
+            code, row_field = at, at.remainder(2 * rows)
+        else:   # a batch between left no record: its offset from the key
+            row_field = at.remainder(2 * rows)
+            code = first.div(self._order[1], rounding_mode="floor") * (2 * rows) + row_field
+        scratch.write(seen, at, row_field, code, first, never, baseline)
+        self.pending = (first_batch, rows, modules)  # parameters may be added before the read
+
+    @staticmethod
+    def _slots(values, root_rows, start, n):
+        """The values of `n` consecutive history slots from `start`, batch by batch: [n, rows, 2]."""
+        if n == 1:
+            return torch.cat([values[:, start], root_rows[:, start]]).unsqueeze(0)
+        return torch.cat([values.narrow(1, start, n).transpose(0, 1), root_rows.narrow(1, start, n).transpose(0, 1)],
+                         dim=1)
+
+    def _keys_for(self, offsets, skip_outputs, device, window):
+        """(each tested value's place in time, [n, rows, 2] ([rows, 2] for one batch), from the
+        batches' `offsets` and the order within a batch; the key of no spike, above every place),
+        kept per list of offsets. `skip_outputs`: the first batch's outputs were tested by the last
+        fold (never a spike)."""
+        order_in_batch, per_batch = self._order
         never = window * per_batch
-        first_order = torch.where(spike, order, torch.full_like(order, never)).amin()
-        hit = first_order < never
-        # The one element with that order (orders are distinct): its place in the table, and its
-        # code for the host, (batch offset * m + row) * 2 + field.
-        at = torch.where(spike & (order == first_order), torch.arange(spike.numel(), device=device).view_as(spike),
-                         torch.full_like(order, spike.numel())).amin().clamp(max=spike.numel() - 1)
-        row, field = at // (window * 2), at % 2
-        code = (offset.gather(0, (at // 2) % window) * m + row) * 2 + field
-        # gather, not v[row, field]: indexing with 0-dim tensors reads them on the host
-        value = values.reshape(-1).gather(0, at.view(1)).view(())
-        baseline = med.reshape(-1).gather(0, (row * 2 + field).view(1)).view(()).exp()
-        free = state_buf[SPIKE_CODE] == 0
-        word = torch.where(hit & free, code + 1, state_buf[SPIKE_CODE])
-        bits = torch.stack([value, baseline]).to(torch.float64).view(torch.int64)
-        state_buf[SPIKE_CODE].copy_(word)
-        state_buf[SPIKE_VALUE:SPIKE_BASELINE + 1].copy_(torch.where(hit & free, bits, state_buf[SPIKE_VALUE:]))
-        self.pending = (first_batch, m, modules)  # parameters may be added before the read
+        if offsets == (0,) and not skip_outputs:
+            return order_in_batch, never
+        cache_key = (offsets, skip_outputs)
+        order = self._keys.get(cache_key)
+        if order is None:
+            if len(self._keys) >= 16:   # offsets that change at every check (batches without records)
+                self._keys.clear()
+            if offsets == tuple(range(len(offsets))):
+                steps = torch.arange(len(offsets), device=device)
+            else:
+                steps = host_to_device(torch.tensor(offsets, dtype=torch.int64), device)
+            order = order_in_batch.unsqueeze(0) + (steps * per_batch).view(-1, 1, 1)
+            if skip_outputs:
+                order[0, :, 0] = never
+            self._keys[cache_key] = order = order[0] if len(offsets) == 1 else order
+        return order, never
+
+    def _baseline_of(self, values, tested_slots):
+        """The baseline of each value (NOTE: [spike rule]) from the history slots but `tested_slots`:
+        (the threshold exp(median + margin) of the log values, +inf where fewer than ARM are held;
+        the median, exp(median), flat: [rows * 2]). values: [rows, window, 2]."""
+        valid = (values > 0) & torch.isfinite(values)
+        for slot in tested_slots:   # a mask, not a boolean index, which would wait for the device
+            valid[:, slot] = False
+        logs = torch.where(valid, values.clamp(min=1e-300).log(), math.nan)
+        med = logs.nanmedian(dim=1).values                      # [rows, 2] (NaN: no baseline)
+        mad = (logs - med.unsqueeze(1)).abs().nanmedian(dim=1).values
+        margin = torch.maximum(K * MAD_TO_SIGMA * mad.nan_to_num(nan=0.0), self._floor)
+        armed = valid.sum(dim=1) >= ARM
+        return torch.where(armed, (med + margin).exp(), math.inf), med.exp().view(-1)
 
     def read(self, values, owners, rank):
         """The spike a check read (its state words `values`), as a dict, or None."""
@@ -300,6 +369,56 @@ class SpikeDetector:
         module, _, parameter = label[:-len(".grad")].rpartition(".")
         owner = next((o for o in owners if o.name == module), None)
         return owner, f"{parameter}.grad norm"
+
+
+class _Scratch:
+    """Views and small device buffers of a fold's test, made once per history table, state buffer
+    and number of rows: each slice is a dispatch, and a torch.cat costs several."""
+
+    def __init__(self, table, state_buf, modules, rows):
+        self.table, self.state_buf, self.rows = table, state_buf, rows
+        # A strided slice, not a list index (which would copy an index tensor from the host).
+        self.values = table[:, :, OUT_MAX:GRAD_MAX + 1:GRAD_MAX - OUT_MAX]   # [M, W, 2]: outputs, gradients
+        self.words, self.code_word = state_buf[SPIKE_WORDS], state_buf[SPIKE_CODE]
+        self.seen = torch.empty((rows, 2), dtype=torch.float64, device=table.device)   # one batch's values
+        self.seen_modules, self.seen_root = self.seen[:modules], self.seen[modules:]
+        self.verdict = torch.zeros(3, dtype=torch.int64, device=table.device)   # the spike words to write
+        found = self.verdict[1:].view(torch.float64)
+        self.code, self.value, self.baseline = self.verdict[0:1], found[0:1], found[1:2]
+
+    @classmethod
+    @outside_inference_mode
+    def made(cls, table, state_buf, modules, rows):
+        return cls(table, state_buf, modules, rows)
+
+    def fits(self, table, state_buf, rows):
+        return self.table is table and self.state_buf is state_buf and self.rows == rows
+
+    def one_batch(self, root_rows, slot):
+        """The values of history slot `slot`, [rows, 2]: two copies, no allocation."""
+        self.seen_modules.copy_(self.values[:, slot])
+        self.seen_root.copy_(root_rows[:, slot])
+        return self.seen
+
+    def write(self, seen, at, row_field, code, first, never, baseline):
+        """Write the spike at flat index `at` of `seen` into the state words (its code, value and
+        baseline), unless none was found (`first` is `never`) or one is waiting to be read."""
+        # gather, not v[at]: indexing with tensors reads them on the host
+        torch.gather(seen.view(-1), 0, at, out=self.value)
+        torch.gather(baseline, 0, row_field, out=self.baseline)
+        torch.add(code, 1, out=self.code)
+        torch.where((first < never) & (self.code_word == 0), self.verdict, self.words, out=self.words)
+
+
+def _runs(slots):
+    """(first slot, length) of each run of consecutive slots in `slots`, in order."""
+    runs = []
+    for slot in slots:
+        if runs and slot == runs[-1][0] + runs[-1][1]:
+            runs[-1][1] += 1
+        else:
+            runs.append([slot, 1])
+    return runs
 
 
 def loss_of(output):

@@ -12,7 +12,7 @@ from .. import process as _process
 from ..errors import SpikeError, SpikeWarning
 from . import spikes as _spikes
 from .features import Feature
-from .graph import warn_graph_blind
+from .graph import GraphBlindWarning
 from .history import ModuleHistory
 
 
@@ -23,7 +23,10 @@ class HistoryFeature(Feature):
         self.inspector = inspector
         self.history = ModuleHistory(inspector._owners, device)
         self.spikes = _spikes.SpikeDetector(spikes) if spikes else None
-        self.graph_checked = False  # said once what torch.compile hides
+        self.graph_blind = GraphBlindWarning(   # says once what torch.compile hides
+            "spikes", "which keep no values of their own in the history: a spike made there is named at the "
+            "compiled module's output, not at the module that made it. Watch the model uncompiled to have it "
+            "named there.")
         if self.spikes is not None:
             model = inspector._model_ref()
             # Before the inspector's own root hook, which ends the batch and checks it.
@@ -59,11 +62,8 @@ class HistoryFeature(Feature):
             self.spikes.watch_norms = False
 
     def end_batch(self, batch):
-        if self.spikes is not None and not self.graph_checked:
-            self.graph_checked = warn_graph_blind(
-                self.inspector, "spikes", "which keep no values of their own in the history: a spike made there is "
-                "named at the compiled module's output, not at the module that made it. Watch the model "
-                "uncompiled to have it named there.")
+        if self.spikes is not None:
+            self.graph_blind.check(self.inspector)
 
     def device_moved(self, device):
         if self.history is not None:
