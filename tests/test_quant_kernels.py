@@ -158,6 +158,86 @@ def test_ragged_lengths(n):
 
 
 # ------------------------------------------------------------------------------------------------
+# Inputs read as they are (NOTE: [quant inputs]) and the vector passes added for them.
+
+def half_hostile(dtype, fmt, seed=0):
+    """A bfloat16 / float16 tensor whose sub-blocks take every path: vector_input's values as the
+    dtype holds them, then the dtype's own specials: its max, its subnormals (float16's are
+    float32 normals of binades -24 to -15), +-Inf, NaN, -0.0, ties of the element grid that the
+    dtype holds exactly."""
+    x = vector_input(fmt, seed=seed).to(dtype)
+    finfo = torch.finfo(dtype)
+    special = [finfo.max, -finfo.max, finfo.tiny, finfo.tiny / 2, finfo.tiny / 1024, -finfo.tiny / 8,
+               float("inf"), -float("inf"), float("nan"), -0.0, 0.0, 448.0, 464.0, 0.75, 2.0 ** -10, 2.0 ** -17]
+    start = SUB_BLOCK * 5 + 3
+    x[start:start + len(special)] = torch.tensor(special, dtype=torch.float64).to(dtype)
+    return x
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_read_directly_equal_their_float32_copy_bit_for_bit(fmt, dtype):
+    """The kernels widen bfloat16 / float16 in registers: the record (sq_error too: the same terms
+    in the same lanes) is the one of the float32 copy, and right against the reference."""
+    x = half_hostile(dtype, fmt)
+    got = quant_stats(x, fmt)
+    assert [v.hex() for v in got.tolist()] == [v.hex() for v in quant_stats(x.float(), fmt).tolist()], fmt
+    assert_matches(got, reference(x.float().tolist(), fmt), (fmt, dtype))
+    for scale in ([0.5, 3.0] if fmt.startswith("float8") else [3.0] if fmt == "nvfp4" else []):
+        want = quant_stats(x.float(), fmt, scale=scale)
+        assert [v.hex() for v in quant_stats(x, fmt, scale=scale).tolist()] == [v.hex() for v in want.tolist()]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_every_bit_pattern(dtype):
+    """Every one of the 65536 bit patterns of the dtype, widened by the kernels, against torch's
+    own conversion: amax and the counts say each value was read as torch reads it."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    for fmt in ("float8_e4m3fn", "mxfp8_e5m2"):
+        got = quant_stats(x, fmt)
+        want = quant_stats(x.float(), fmt)
+        assert [v.hex() for v in got.tolist()] == [v.hex() for v in want.tolist()], (fmt, got, want)
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("scale", [3.0, 0.1, 1000.0 / 7.0, 2.0 ** 20 / 3.0])
+def test_a_scale_not_a_power_of_two_one_element_at_a_time(fmt, scale):
+    """The vector pass of a scale that is not a power of two (NOTE: [quant general scale]): one
+    non-zero element per tensor of a full sub-block, so the record's sq_error is that element's
+    squared error alone, which must equal the reference's bit for bit (q / scale in float64)."""
+    spec = schema.QUANT_FORMATS[fmt]
+    values = grid_values(spec.element, spec.element_max) / np.float32(scale)
+    for i, v in enumerate(values[::3]):
+        x = torch.zeros(SUB_BLOCK)
+        x[(7 * i) % SUB_BLOCK] = float(v) if i % 2 else -float(v)
+        got = dict(zip(schema.QUANT_FIELDS, quant_stats(x, fmt, scale=scale).tolist()))
+        want = reference(x.tolist(), fmt, scale)
+        assert got == want, (fmt, scale, float(v), got, want)
+
+
+def test_nvfp4_blocks_whose_scale_rounds_to_zero_take_the_vector_pass():
+    """All-zero blocks (ReLU, padding) and blocks far below the tensor's amax have s = 0: v = 0, the
+    block underflows whole, and no scale exponent is noted; beside ordinary blocks."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(8 * SUB_BLOCK + 16, generator=gen)
+    blocks = x.view(-1, 16)
+    blocks[::3] = 0.0
+    blocks[1::5] *= 1e-7
+    blocks[2::7, 3] = -0.0
+    for scale in (None, 1.0):
+        want = reference(x.tolist(), "nvfp4", scale)
+        assert_matches(quant_stats(x, "nvfp4", scale=scale), want, ("nvfp4 zero scales", scale))
+        assert_matches(quant_stats(x.bfloat16(), "nvfp4", scale=scale),
+                       reference(x.bfloat16().float().tolist(), "nvfp4", scale), ("bf16", scale))
+
+
+def test_non_contiguous_half_inputs_are_copied_in_row_major_order():
+    x = half_hostile(torch.float16, "mxfp8_e4m3")[:3 * SUB_BLOCK * 4].view(3 * SUB_BLOCK, 4)
+    for fmt in FORMATS:
+        assert torch.equal(quant_stats(x.t(), fmt), quant_stats(x.t().contiguous(), fmt)), fmt
+
+
+# ------------------------------------------------------------------------------------------------
 # Every instruction-set level and thread count: one process per level (the level is chosen once
 # per process), records compared bit for bit.
 
@@ -165,7 +245,7 @@ _LEVEL_SCRIPT = r"""
 import json, sys, torch
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
 import numguard
-from test_quant_kernels import vector_input, CHUNK
+from test_quant_kernels import vector_input, half_hostile, CHUNK
 out = {{"isa": numguard.ops.native_module().cpu_capabilities()}}
 gen = torch.Generator().manual_seed(5)
 n = 3 * CHUNK + 1000
@@ -178,7 +258,12 @@ for threads in (1, 2, 3):
         for name, x, scale in (("grid", vector_input(fmt), None), ("big", big, None),
                                ("big-strided", big.view(-1, 8)[:, ::2], None),
                                ("bf16", big.to(torch.bfloat16), None),
-                               ("scaled", big, 0.5 if fmt.startswith("float8") or fmt == "nvfp4" else None)):
+                               ("f16", big.to(torch.float16), None),
+                               ("f16-hostile", half_hostile(torch.float16, fmt), None),
+                               ("scaled", big, 0.5 if fmt.startswith("float8") or fmt == "nvfp4" else None),
+                               ("general-scale", big, 3.0 if fmt.startswith("float8") or fmt == "nvfp4" else None),
+                               ("general-f16", half_hostile(torch.float16, fmt),
+                                1000.0 / 7.0 if fmt.startswith("float8") else None)):
             rec = numguard.quant_stats(x, fmt, scale=scale)
             out[f"{{threads}}/{{fmt}}/{{name}}"] = [v.hex() for v in rec.tolist()]
 print("RESULT" + json.dumps(out))

@@ -299,3 +299,25 @@ def test_the_native_measurement_equals_the_torch_operations(fmt):
     assert torch.allclose(sums[1], native[:, :6].sum(dim=0), rtol=1e-12, atol=0)
     insp.close(check=False)
 
+
+
+@pytest.mark.skipif(numguard.backend() != "native", reason="the native kernels are not loaded")
+@pytest.mark.parametrize("fmt", list(QUANT_FORMATS))
+def test_the_native_measurement_reads_half_tensors_as_their_float32_copies(fmt):
+    """quant_watch_ reads bfloat16 / float16 outputs as they are (no float32 copy): the records
+    and the row it adds are those of the float32 copies bit for bit, for every path of the
+    kernel (the amax pass, the current scale, zeros, NaN in one tensor)."""
+    from test_quant_kernels import half_hostile
+    torch.manual_seed(1)
+    insp = numguard.watch(Healthy(), report_to=None, quant=fmt)
+    feature = next(f for f in insp.features if isinstance(f, QuantWatch))
+    relu = torch.relu(torch.randn(3000)) * 100
+    for dtype in (torch.bfloat16, torch.float16):
+        tensors = [relu.to(dtype), (torch.randn(5000) * 1e-3).to(dtype), half_hostile(dtype, "float8_e4m3fn")]
+        sums = torch.zeros((2, 6), dtype=torch.float64)
+        sums_f32 = torch.zeros((2, 6), dtype=torch.float64)
+        native = feature.measure(tensors, into=(sums, 0))
+        copies = feature.measure([t.float() for t in tensors], into=(sums_f32, 0))
+        assert [v.hex() for v in native.flatten().tolist()] == [v.hex() for v in copies.flatten().tolist()], dtype
+        assert torch.equal(sums, sums_f32)
+    insp.close(check=False)

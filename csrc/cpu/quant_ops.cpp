@@ -36,11 +36,25 @@ int float8_mode(float scale) {
                                                                                 : QuantRun::kGeneralScale;
 }
 
-// The float32 values of x, flat in row-major order: x itself when it is a contiguous float32
-// tensor, else a converted copy.
-at::Tensor float32_values(const at::Tensor& x) {
-  return x.detach().reshape({-1}).to(at::kFloat).contiguous();
-}
+// The values the kernels read, flat in row-major order: x itself when it is a contiguous float32,
+// bfloat16 or float16 tensor (NOTE: [quant inputs]), else a float32 copy.
+struct QuantValues {
+  at::Tensor holder;
+  const void* data = nullptr;
+  int64_t n = 0;
+  int input = QuantRun::kFloat32;
+
+  explicit QuantValues(const at::Tensor& x) {
+    const at::ScalarType t = x.scalar_type();
+    const bool direct = x.is_contiguous() && (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf);
+    holder = direct ? x : x.detach().reshape({-1}).to(at::kFloat).contiguous();
+    input = !direct || t == at::kFloat ? QuantRun::kFloat32
+                                       : (t == at::kBFloat16 ? QuantRun::kBFloat16 : QuantRun::kFloat16);
+    data = holder.const_data_ptr();
+    n = holder.numel();
+  }
+  const void* at(int64_t i) const { return static_cast<const char*>(data) + i * quant_input_size(input); }
+};
 
 // reduce(lo, hi) over the chunks of n elements: on the calling thread for small inputs, else on
 // at::parallel_for (each chunk fills its own partial; the caller merges them in order).
@@ -53,10 +67,11 @@ void over_chunks(int64_t n, int64_t chunks, const Reduce& reduce) {
   }
 }
 
-// The record of n float32 values under `run`, in chunks on at::parallel_for, merged in order.
-QuantAccum quant_reduce(const float* data, int64_t n, const QuantRun& run) {
+// The record of the values under `run`, in chunks on at::parallel_for, merged in order.
+QuantAccum quant_reduce(const QuantValues& values, const QuantRun& run) {
   QuantAccum total;
   total.init();
+  const int64_t n = values.n;
   if (n == 0) return total;
   const int64_t chunks = (n + kQuantChunkElements - 1) / kQuantChunkElements;
   std::vector<QuantPartial> parts(chunks);
@@ -66,7 +81,7 @@ QuantAccum quant_reduce(const float* data, int64_t n, const QuantRun& run) {
       const int64_t begin = c * kQuantChunkElements;
       const int64_t len = std::min(n - begin, kQuantChunkElements);
       parts[c].init();
-      kernels.quant(data + begin, len, run, parts[c]);
+      kernels.quant(values.at(begin), len, run, parts[c]);
     }
   };
   over_chunks(n, chunks, reduce);
@@ -88,35 +103,39 @@ QuantAccum quant_reduce(const float* data, int64_t n, const QuantRun& run) {
   return total;
 }
 
-// The largest finite |x| of n float32 values (0 when there is none), by the stats kernel of the
-// active level; `any_nonfinite`: whether a NaN or Inf was seen.
-float finite_amax(const float* data, int64_t n, bool* any_nonfinite) {
-  FloatStatsAccum acc;
-  acc.init();
+// The largest finite |x| of the values (0 when there is none), by the amax kernel of the active
+// level: one max per element, memory-bound; a second pass only where a NaN or Inf was seen
+// (`any_nonfinite`).
+float finite_amax(const QuantValues& values, bool* any_nonfinite) {
+  const int64_t n = values.n;
   const int64_t chunks = (n + kQuantChunkElements - 1) / kQuantChunkElements;
-  std::vector<FloatStatsAccum> parts(chunks);
+  std::vector<uint32_t> parts(chunks);
   const KernelTable& kernels = active_kernels();
-  auto reduce = [&](int64_t lo, int64_t hi) {
-    for (int64_t c = lo; c < hi; ++c) {
-      const int64_t begin = c * kQuantChunkElements;
-      parts[c].init();
-      kernels.float32(reinterpret_cast<const uint32_t*>(data + begin), std::min(n - begin, kQuantChunkElements),
-                      kFloat32Format, parts[c]);
-    }
+  auto top = [&](bool finite_only) {
+    over_chunks(n, chunks, [&](int64_t lo, int64_t hi) {
+      for (int64_t c = lo; c < hi; ++c) {
+        const int64_t begin = c * kQuantChunkElements;
+        parts[c] = kernels.quant_amax(values.at(begin), std::min(n - begin, kQuantChunkElements), values.input,
+                                      finite_only);
+      }
+    });
+    uint32_t bits = 0;
+    for (const uint32_t b : parts) bits = b > bits ? b : bits;
+    return bits;
   };
-  over_chunks(n, chunks, reduce);
-  for (int64_t c = 0; c < chunks; ++c) acc.merge(parts[c]);
-  *any_nonfinite = acc.nan + acc.pos_inf + acc.neg_inf > 0;
-  const uint32_t bits = static_cast<uint32_t>(acc.max_abs);  // magnitude bits; 0 when no finite value
+  uint32_t bits = top(false);
+  *any_nonfinite = bits >= 0x7F800000u;
+  if (*any_nonfinite) bits = top(true);
   float amax;
   std::memcpy(&amax, &bits, sizeof amax);
   return amax;
 }
 
 // quant_stats' parameters (NVFP4 without a scale: g from the tensor's amax, one more pass).
-QuantRun make_quant_run(int64_t format, double scale, bool has_scale, const float* data, int64_t n) {
+QuantRun make_quant_run(int64_t format, double scale, bool has_scale, const QuantValues& values) {
   QuantRun run{};
   run.format = format;
+  run.input = values.input;
   run.f = quant_element(format);
   run.scale = 1.0f;
   run.mode = QuantRun::kUnitScale;
@@ -125,30 +144,31 @@ QuantRun make_quant_run(int64_t format, double scale, bool has_scale, const floa
     run.mode = float8_mode(run.scale);
   } else if (format == kQuantNvfp4) {
     bool any_nonfinite = false;
-    run.scale = has_scale ? static_cast<float>(scale) : nvfp4_global_scale(finite_amax(data, n, &any_nonfinite));
+    run.scale = has_scale ? static_cast<float>(scale) : nvfp4_global_scale(finite_amax(values, &any_nonfinite));
   }
   return run;
 }
 
 // watch(quant=)'s measurement of one tensor: current scaling for the per-tensor formats.
-QuantRun make_watch_run(int64_t format, const float* data, int64_t n) {
-  if (!quant_per_tensor(format)) return make_quant_run(format, 1.0, false, data, n);
-  QuantRun run = make_quant_run(format, 1.0, false, data, n);
+QuantAccum quant_watch_one(int64_t format, const QuantValues& values) {
+  QuantRun run = make_quant_run(format, 1.0, false, values);
+  if (!quant_per_tensor(format)) return quant_reduce(values, run);
   bool any_nonfinite = false;
-  const float amax = finite_amax(data, n, &any_nonfinite);
+  const float amax = finite_amax(values, &any_nonfinite);
   run.scale = quant_current_scale(amax, any_nonfinite, run.f.max_value);
-  run.mode = QuantRun::kPrescaled;
-  return run;
+  // v = x * 1 is x: the unit pass (which finds amax itself) is the prescaled one
+  run.mode = run.scale == 1.0f ? QuantRun::kUnitScale : QuantRun::kPrescaled;
+  QuantAccum total = quant_reduce(values, run);
+  if (run.mode == QuantRun::kPrescaled) total.amax = amax;  // the prescaled pass leaves amax to its scale's pass
+  return total;
 }
 
 at::Tensor quant_stats_cpu(const at::Tensor& x, int64_t format, double scale, bool has_scale) {
   TORCH_CHECK_VALUE(format >= kQuantFloat8E4M3 && format <= kQuantNvfp4, "numguard: unknown quant format code ",
                     format);
-  const at::Tensor values = float32_values(x);
-  const float* data = values.const_data_ptr<float>();
-  const int64_t n = values.numel();
-  const QuantRun run = make_quant_run(format, scale, has_scale, data, n);
-  const QuantAccum total = quant_reduce(data, n, run);
+  const QuantValues values(x);
+  const QuantRun run = make_quant_run(format, scale, has_scale, values);
+  const QuantAccum total = quant_reduce(values, run);
   at::Tensor out = at::empty({kNumQuantFields}, x.options().dtype(at::kDouble).device(at::kCPU));
   double* o = out.mutable_data_ptr<double>();
   total.write(o);
@@ -163,10 +183,7 @@ at::Tensor quant_watch_cpu(const at::Tensor& sums, int64_t row, at::TensorList x
   double* out = records.mutable_data_ptr<double>();
   double* sums_row = sums.mutable_data_ptr<double>() + row * kQuantSummedFields;
   for (size_t i = 0; i < xs.size(); ++i) {
-    const at::Tensor values = float32_values(xs[i]);
-    const float* data = values.const_data_ptr<float>();
-    const int64_t n = values.numel();
-    quant_reduce(data, n, make_watch_run(format, data, n)).write(out + i * kNumQuantFields);
+    quant_watch_one(format, QuantValues(xs[i])).write(out + i * kNumQuantFields);
     quant_add_to_sums(sums_row, out + i * kNumQuantFields);
   }
   return records;

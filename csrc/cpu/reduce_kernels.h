@@ -8,6 +8,10 @@
 
 #include <cstdint>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // quant_impl.inc: fused multiply-adds and float16 conversions of the levels that have them
+#endif
+
 #include "numguard/quant.h"
 #include "numguard/stats_reduce.h"
 
@@ -55,11 +59,18 @@ struct QuantRun {
   // errors exact); any other scale (the element-by-element reference); or v = x * scale measured
   // at scale 1, the squares divided by scale^2 by the op (watch(quant=)'s current scaling).
   enum Float8Mode : int { kUnitScale, kPowerOfTwoScale, kGeneralScale, kPrescaled };
+  // The element type the kernels read (NOTE: [quant inputs]): float32, or bfloat16 / float16 bits
+  // widened to float32 in registers.
+  enum Input : int { kFloat32, kBFloat16, kFloat16 };
   int64_t format;
   QuantElement f;
   float scale;  // float8: the per-tensor scale; NVFP4: the global scale g; MX: unused
   int mode;     // Float8Mode (per-tensor formats)
+  int input;    // Input
 };
+
+// Bytes of one element of a QuantRun::Input.
+inline int64_t quant_input_size(int input) { return input == QuantRun::kFloat32 ? 4 : 2; }
 
 // A chunk's partial record, its squares still in lanes.
 struct QuantPartial {
@@ -96,9 +107,12 @@ struct KernelTable {
   void (*uint32)(const uint32_t* p, int64_t n, IntStatsAccum& acc);
   void (*uint64)(const uint64_t* p, int64_t n, IntStatsAccum& acc);
   void (*boolean)(const uint8_t* p, int64_t n, IntStatsAccum& acc);  // any non-zero byte is true (1)
-  // quant_stats of one chunk of float32 values (p: its first element, at a multiple of
-  // kQuantSubBlock from the tensor's start; n <= kQuantChunkElements), into `out` (initialized).
-  void (*quant)(const float* p, int64_t n, const QuantRun& run, QuantPartial& out);
+  // quant_stats of one chunk of values of run.input's type (p: its first element, at a multiple
+  // of kQuantSubBlock from the tensor's start; n <= kQuantChunkElements), into `out` (initialized).
+  void (*quant)(const void* p, int64_t n, const QuantRun& run, QuantPartial& out);
+  // The largest |x| of n values of `input`'s type, as float32 bits (NaN and Inf are above every
+  // finite value); with finite_only, of the finite values (0 when there is none).
+  uint32_t (*quant_amax)(const void* p, int64_t n, int input, bool finite_only);
 };
 
 const KernelTable& baseline_kernels();
