@@ -20,6 +20,24 @@ __all__ = ["STAT_FIELDS", "backend", "multi_tensor_stats", "record_", "tensor_st
            "QUANT_FIELDS", "quant_stats", "multi_tensor_quant_stats"]
 __version__ = "0.1.0"
 
+# NOTE: [collective check at import] NUMGUARD_DIST_CHECK=1 in a script that imports numguard (not
+# a NUMGUARD=1 job, whose start-up hook installs it) left the collectives unchecked until
+# something happened to import numguard.distributed (a watched batch's cross-rank exchange,
+# watch(accelerator, ...)): Accelerate's gathers of mismatched dicts before that returned values
+# under the wrong keys. Importing numguard.distributed installs the guard. An invalid value fails
+# here, naming the variable, as it does at start-up.
+from . import env as _env  # noqa: E402
+
+if _env.dist_settings_from_env()["dist_check"]:
+    try:
+        from . import distributed  # noqa: F401  (installs guard_collectives())
+    except Exception as _exc:  # numguard's failure must not stop the job
+        import warnings as _warnings
+
+        _warnings.warn(f"numguard: NUMGUARD_DIST_CHECK=1 but the collective checks could not be installed "
+                       f"({type(_exc).__name__}: {_exc}); collectives are not checked", RuntimeWarning,
+                       stacklevel=2)
+
 
 def __getattr__(name):
     # numguard.distributed imports torch.distributed machinery: load it on first use only.

@@ -143,11 +143,13 @@ def case_accelerate_ops(rank, world):
 def case_accelerate_containers(rank, world):
     """Accelerate's operations over dicts and lists whose structure differs between the two
     processes, under numguard's collective check (NUMGUARD_DIST_CHECK=1 from the environment, or
-    guard_collectives() called before Accelerate is imported when NG_EXPLICIT_GUARD is set);
-    healthy containers still work and make one numguard exchange per tensor, no more."""
+    guard_collectives() called before Accelerate is imported or after the Accelerator is made, as
+    NG_EXPLICIT_GUARD says: "before" or "after"); healthy containers still work and make one
+    numguard exchange per tensor, no more."""
     import os
 
-    if os.environ.get("NG_EXPLICIT_GUARD"):
+    explicit = os.environ.get("NG_EXPLICIT_GUARD")
+    if explicit == "before":
         import numguard.distributed as ngd
 
         ngd.guard_collectives()  # before Accelerate is imported: followed when it is
@@ -159,6 +161,8 @@ def case_accelerate_containers(rank, world):
     from numguard.distributed import collectives
 
     accelerator = Accelerator(cpu=True)
+    if explicit == "after":
+        ngd.guard_collectives()  # after the script bound Accelerate's functions to its own names
     res = {"processes": accelerator.num_processes}
     exchanges = []
     real_reduce, real_gather = collectives.timed_all_reduce, collectives.timed_all_gather

@@ -125,6 +125,12 @@ def test_dicts_are_shown_in_insertion_order_or_by_key():
     assert "shape of input['b'] is [3] instead of [1]" in msg
 
 
+def test_one_leaf_is_said_in_the_singular():
+    empty, one = {}, {"a": torch.zeros(2)}
+    msg = shapes.mismatch_message(_records(empty, one), 2, one, "op", 1)
+    assert "  - Process 1: structure (1 leaf instead of 0: keys of input are ['a'] instead of []" in msg
+
+
 def test_key_names_travel_between_ranks():
     """Each rank's key names (NOTE: [key names]) let every rank name keys it does not have."""
     mine, theirs = {"a": torch.zeros(2), "b": torch.zeros(2)}, {"a": torch.zeros(2), ("c", 1): [{"deep": None}]}

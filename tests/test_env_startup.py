@@ -270,6 +270,29 @@ def test_numguard_off_ignores_dist_check(job_env):
     assert out.stdout.strip() == "False"
 
 
+def test_dist_check_takes_effect_when_the_script_imports_numguard(job_env):
+    # Without NUMGUARD=1, a script that imports numguard had no collective check until something
+    # imported numguard.distributed: Accelerate's gathers of mismatched dicts before it were not
+    # checked (rank 0 got rank 1's "c" under "b").
+    code = """
+import sys
+import numguard
+guard = sys.modules.get("numguard.distributed.guard")
+print(guard is not None and guard.installed_guard() is not None and guard.installed_guard().active)
+"""
+    out = run(["-c", code], job_env(NUMGUARD_DIST_CHECK="1"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
+    # unset or 0: numguard.distributed stays unloaded until used
+    for value in (None, "0"):
+        environ = job_env() if value is None else job_env(NUMGUARD_DIST_CHECK=value)
+        out = run(["-c", "import sys, numguard; print('numguard.distributed' in sys.modules)"], environ)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "False"
+    out = run(["-c", "import numguard"], job_env(NUMGUARD_DIST_CHECK="2"))
+    assert out.returncode != 0 and "NUMGUARD_DIST_CHECK" in out.stderr, out.stderr
+
+
 def test_compiled_model_in_an_unmodified_script(job_env):
     code = """
 import torch

@@ -128,13 +128,13 @@ def _same_everywhere(results, key):
 
 
 @pytest.mark.timeout(250)
-@pytest.mark.parametrize("how", ["NUMGUARD_DIST_CHECK", "guard_collectives"])
+@pytest.mark.parametrize("how", ["NUMGUARD_DIST_CHECK", "guard_collectives before", "guard_collectives after"])
 def test_accelerate_containers_are_checked_as_a_whole(how):
     from integ_workers import run_ranks
 
     env = {"NUMGUARD_DIST_TIMEOUT": "30"}
     env.update({"NUMGUARD_DIST_CHECK": "1"} if how == "NUMGUARD_DIST_CHECK" else
-               {"NUMGUARD_DIST_CHECK": "0", "NG_EXPLICIT_GUARD": "1"})
+               {"NUMGUARD_DIST_CHECK": "0", "NG_EXPLICIT_GUARD": how.split()[1]})
     results = run_ranks("accelerate_containers", world=2, timeout=200, env=env)
     assert all(res["processes"] == 2 for res in results)
     gather_op = "Operation: `accelerate.utils.operations.gather`"

@@ -114,6 +114,7 @@ def test_minimum_reached_lists_every_size_and_the_message():
     msg = str(info.value)
     assert "minimum_batch_size=8" in msg and "40 (out of memory)" in msg and "10 (out of memory)" in msg
     assert "can't allocate memory" in msg
+    assert msg.endswith("Lower minimum_batch_size, free memory or shrink the model.")
 
 
 def test_reduction_factor():
@@ -149,6 +150,9 @@ def test_reaching_zero_says_so_like_accelerate():
         f()
     assert tried == [3, 2, 1] and "3 (out of memory), 2 (out of memory), 1 (out of memory)" in \
         str(info.value)
+    # size 1 is the least there is: no advice to lower minimum_batch_size
+    assert "minimum_batch_size" not in str(info.value)
+    assert str(info.value).endswith("Free memory or shrink the model.")
 
 
 @pytest.mark.parametrize("kind", ["generator", "coroutine", "async generator"])

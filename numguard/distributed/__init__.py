@@ -8,8 +8,8 @@
     ngd.set_trigger(); ngd.check_trigger()      # any rank sets, every rank sees
 
 ``NUMGUARD_DIST_CHECK=1`` installs :func:`guard_collectives` when this package is imported
-(``guard_collectives()`` called explicitly always installs; with ``NUMGUARD=1`` numguard's
-start-up hook imports this package). ``NUMGUARD_DIST_TIMEOUT`` (seconds, default 60) bounds every
+(``guard_collectives()`` called explicitly always installs; ``import numguard`` imports this
+package when the variable is set, and with ``NUMGUARD=1`` numguard's start-up hook does). ``NUMGUARD_DIST_TIMEOUT`` (seconds, default 60) bounds every
 numguard check; a rank that does not arrive in time is named in a
 :class:`DistributedTimeoutError` on the ranks that did, and numguard stops checking that group.
 

@@ -556,7 +556,8 @@ def _differences(r: int, rec: _Record, rref: _Record, ta, tb, keys: dict) -> lis
     _structure_diffs(ta, tb, "input", keys, structure)
     la, lb = _leaves(ta, "input", keys, []), _leaves(tb, "input", keys, [])
     if structure:
-        head = f"{len(lb)} leaves instead of {len(la)}: " if len(la) != len(lb) else ""
+        leaves = "leaf" if len(lb) == 1 else "leaves"
+        head = f"{len(lb)} {leaves} instead of {len(la)}: " if len(la) != len(lb) else ""
         shown = "; ".join(structure[:4]) + ("; ..." if len(structure) > 4 else "")
         diffs.append(f"  - Process {r}: structure ({head}{shown})")
         return diffs

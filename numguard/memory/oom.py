@@ -42,8 +42,10 @@ class BatchSizeNotFoundError(RuntimeError):
                 f"minimum_batch_size={minimum}.")
         if self.tried:
             steps = ", ".join(f"{s} ({o})" for s, o in self.tried)
-            body = (f"tried {steps}. Last out-of-memory error: {last_error}. Lower "
-                    f"minimum_batch_size, free memory or shrink the model.")
+            # below size 1 there is nothing to lower
+            advice = ("Lower minimum_batch_size, free memory or shrink the model." if minimum > 1 else
+                      "Free memory or shrink the model.")
+            body = f"tried {steps}. Last out-of-memory error: {last_error}. {advice}"
         else:  # nothing to try: starting_batch_size (snapped to global_batch_size) is too small
             body = f"{last_error}; pass a larger starting_batch_size."
         super().__init__(f"{head} {_WHERE}: {body}")
