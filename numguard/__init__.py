@@ -25,10 +25,11 @@ __version__ = "0.1.0"
 # something happened to import numguard.distributed (a watched batch's cross-rank exchange,
 # watch(accelerator, ...)): Accelerate's gathers of mismatched dicts before that returned values
 # under the wrong keys. Importing numguard.distributed installs the guard. An invalid value fails
-# here, naming the variable, as it does at start-up.
+# here, naming the variable, as it does at start-up; so does an invalid NUMGUARD_DIST_TIMEOUT, but
+# only when the check is on (a plain import validates no other variable).
 from . import env as _env  # noqa: E402
 
-if _env.dist_settings_from_env()["dist_check"]:
+if _env.read("NUMGUARD_DIST_CHECK") and _env.dist_settings_from_env()["dist_check"]:
     try:
         from . import distributed  # noqa: F401  (installs guard_collectives())
     except Exception as _exc:  # numguard's failure must not stop the job

@@ -293,6 +293,17 @@ print(guard is not None and guard.installed_guard() is not None and guard.instal
     assert out.returncode != 0 and "NUMGUARD_DIST_CHECK" in out.stderr, out.stderr
 
 
+def test_import_reads_only_the_dist_check_variable(job_env):
+    # NOTE: [collective check at import]: a plain import reads NUMGUARD_DIST_CHECK alone. It read
+    # NUMGUARD_DIST_TIMEOUT too, so a bad timeout failed the import of a script that never uses
+    # torch.distributed (no other variable fails a plain import); numguard.distributed still names it.
+    out = run(["-c", "import numguard; print('imported')"], job_env(NUMGUARD_DIST_TIMEOUT="abc"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "imported"
+    out = run(["-c", "import numguard"], job_env(NUMGUARD_DIST_CHECK="1", NUMGUARD_DIST_TIMEOUT="abc"))
+    assert "NUMGUARD_DIST_TIMEOUT" in out.stderr, out.stderr
+
+
 def test_compiled_model_in_an_unmodified_script(job_env):
     code = """
 import torch
