@@ -243,6 +243,29 @@ def test_a_wrapper_compiled_before_watching_its_model_is_named_at_its_first_call
     insp.close(check=False)
 
 
+def test_a_wrapper_made_after_watch_that_reuses_code_compiled_before_it_is_named():
+    # NOTE: [wrappers compiled before watch]: dynamo keeps the code a wrapper compiled with the
+    # model, so a new wrapper made after watch() (the first one deleted) runs it without numguard's
+    # hooks: a NaN in that call was missed with no word. The new wrapper is hooked as it is made.
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    first = torch.compile(model, backend="eager")
+    first(torch.randn(2, 4))
+    del first
+    gc.collect()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        insp = numguard.watch(model, report_to=None)
+        again = torch.compile(model, backend="eager")
+        again(torch.randn(2, 4))
+        again(torch.randn(2, 4))
+        said = [w for w in caught if "compiled before watch() added numguard's hooks" in str(w.message)]
+        if insp.batches_finished == 0:   # the new wrapper ran the old code: said, once
+            assert len(said) == 1 and "is NOT watched" in str(said[0].message), [str(w.message) for w in caught]
+        else:   # dynamo recompiled with the hooks: watched, and nothing said
+            assert said == [] and insp.batches_finished == 2
+    insp.close(check=False)
+
+
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 @pytest.mark.parametrize("how", ["torch.compile(model)", "model.compile()"])
 def test_rerun_of_a_compiled_model_gives_its_verdict(backend, how):

@@ -86,6 +86,8 @@ def _forget(inspector) -> None:
     model = inspector._model_ref()
     if model is not None and _roots.get(model) is inspector:
         del _roots[model]
+    if not _roots:
+        _graph.stop_following_new_wrappers()
     if inspector in active:
         active.remove(inspector)
 
@@ -426,7 +428,7 @@ def _add_features(insp, model, opts):
         insp._reporter.attribution = insp._rerun.attribution
         insp._reporter.settle = insp._rerun.peers.settle_trip   # multi-rank verdicts (NOTE: [device verdict])
         insp._reader.request = insp._rerun.peers.request
-    insp._handles += _graph.watch_wrapper_calls(insp, model)   # NOTE: [wrappers compiled before watch]
+    insp._handles += _graph.watch_wrapper_calls(insp, model, _roots)   # NOTE: [wrappers compiled before watch]
     if opts.replicas:  # removed with the other hooks at close()
         from ..distributed import replicas
         insp._handles.append(replicas.attach(insp, model))

@@ -125,25 +125,67 @@ class GraphBlindWarning:
             self.warned = warn_graph_blind(inspector, self.feature, self.what)
 
 
-def watch_wrapper_calls(inspector, model) -> list:
+def watch_wrapper_calls(inspector, model, roots) -> list:
     """Hooks on torch.compile wrappers of `model` made before watch(model) (NOTE: [wrappers
-    compiled before watch]); their handles."""
+    compiled before watch]); their handles. Wrappers made later are hooked as they are made, for
+    the inspector `roots` (root module -> its open Inspector) holds for their model."""
     wrapper_class = torch._dynamo.eval_frame.OptimizedModule
-    if isinstance(model, wrapper_class) or not torch._dynamo.utils.counters["frames"]["ok"]:
+    if isinstance(model, wrapper_class):
+        return []
+    _follow_new_wrappers(wrapper_class, roots)
+    if not torch._dynamo.utils.counters["frames"]["ok"]:
         return []   # nothing compiled yet: a wrapper's first call will trace numguard's hooks
     handles = []
     for wrapper in compiled_wrappers(model):
-        batches = []
-
-        def before(module, args, batches=batches):
-            batches.append(inspector._batch.done)
-
-        def after(module, args, output, batches=batches):
-            if batches and batches.pop() == inspector._batch.done and not inspector._batch.closed:
-                inspector._warn_once(("compiled", "wrapper"), WRAPPER_MESSAGE.format(cls=type(model).__name__))
-        handles += [wrapper.register_forward_pre_hook(torch.compiler.disable(before)),
-                    wrapper.register_forward_hook(torch.compiler.disable(after))]
+        handles += _hook_wrapper(inspector, model, wrapper)
     return handles
+
+
+def _hook_wrapper(inspector, model, wrapper) -> list:
+    """Hooks on `wrapper` (outside its graph) that warn when one of its calls ran no hook of the
+    model (the batch count did not move); their handles."""
+    batches = []
+
+    def before(module, args):
+        batches.append(inspector._batch.done)
+
+    def after(module, args, output):
+        if batches and batches.pop() == inspector._batch.done and not inspector._batch.closed:
+            inspector._warn_once(("compiled", "wrapper"), WRAPPER_MESSAGE.format(cls=type(model).__name__))
+    return [wrapper.register_forward_pre_hook(torch.compiler.disable(before)),
+            wrapper.register_forward_hook(torch.compiler.disable(after))]
+
+
+def _follow_new_wrappers(wrapper_class, roots) -> None:
+    """Hook each torch.compile wrapper made after watch() of a watched root as it is made: dynamo
+    keeps code compiled before watch() with the model, not with the wrapper that compiled it, so
+    a new wrapper can run it too (NOTE: [wrappers compiled before watch])."""
+    from .. import patches
+
+    original = wrapper_class.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        try:
+            model = self.__dict__.get("_modules", {}).get("_orig_mod")
+            inspector = roots.get(model) if isinstance(model, torch.nn.Module) else None
+            if inspector is not None and not inspector._batch.closed and torch._dynamo.utils.counters["frames"]["ok"]:
+                inspector._handles += _hook_wrapper(inspector, model, self)
+        except Exception:   # numguard's failure must not fail torch.compile
+            pass
+
+    patches.replace(wrapper_class, "__init__", init, target=_NEW_WRAPPERS,
+                    why="hook torch.compile wrappers of watched models made after watch()")
+
+
+def stop_following_new_wrappers() -> None:
+    """Undo _follow_new_wrappers (no watched root is left)."""
+    from .. import patches
+
+    patches.restore(_NEW_WRAPPERS)
+
+
+_NEW_WRAPPERS = "torch._dynamo.OptimizedModule.__init__"
 
 
 def compiled_wrappers(model) -> list:
@@ -176,7 +218,9 @@ def compiled_wrappers(model) -> list:
 # runs its compiled code without numguard's hooks (dynamo does not guard on hooks), so a call
 # through it never reaches the model's hooks and nothing of it is watched, not even its output.
 # numguard cannot put its hooks into that code; it hooks the wrapper itself (its hooks run outside
-# the graph) and says so at the first call that bypassed the model's.
+# the graph) and says so at the first call that bypassed the model's. Dynamo keeps that code with
+# the model, so a wrapper made after watch() (the first one deleted) runs it too: wrappers of a
+# watched root are hooked as they are made.
 WRAPPER_MESSAGE = (
     "numguard: this {cls} was called through a torch.compile wrapper that compiled before watch() "
     "added numguard's hooks (dynamo does not recompile for hooks): that call ran without them and is NOT "
