@@ -56,6 +56,27 @@ def test_watch_with_backward_lists_its_patches_and_close_removes_them():
     assert torch.autograd.backward is original_backward and torch.amp.GradScaler.step is original_step
 
 
+def test_rerun_lists_its_registration_hooks_and_close_removes_them():
+    # rerun=True lists the model's buffers again when any module or buffer is registered: two
+    # process-wide hooks, listed while the inspector is open, and a registration after close()
+    # reaches neither
+    before = _targets()
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    insp = numguard.watch(model, rerun=True, report_to=None)
+    rerun = next(f for f in insp.features if type(f).__name__ == "RootRerun")
+    added = [t for t in _targets() if t not in before and "rerun=True" in t]
+    assert len(added) == 2, added
+    model(torch.ones(1, 2))
+    assert rerun.buffers is not None
+    model.register_buffer("extra", torch.zeros(1))
+    assert rerun.buffers is None   # listed again at the next call
+    model(torch.ones(1, 2))
+    insp.close()
+    assert _targets() == before
+    model.register_buffer("later", torch.zeros(1))
+    assert rerun.buffers is not None   # the hook is gone
+
+
 def test_the_collective_guard_lists_each_function_it_wraps(monkeypatch):
     from numguard.distributed import guard_collectives
     before = _targets()

@@ -54,6 +54,7 @@ import socket
 import torch
 from torch.nn.parameter import is_lazy
 
+from .. import patches as _patches
 from .. import process as _process
 from ..errors import Attribution
 from . import norm_stats as _norm_stats
@@ -243,6 +244,7 @@ class RootRerun(Feature):
         self.lazy = False                        # lazy modules not yet made (nn.LazyLinear, ...)
         self.copy_inputs = False                 # the model writes its own inputs: keep copies of them
         self.not_kept = collections.OrderedDict()   # batch -> why its call could not be kept (the last few)
+        self.registration = []                   # numguard.patches of the registration hooks
 
     def install(self, model, handles):
         """A pre-hook keeping the root's inputs, a first forward hook keeping its output, and a
@@ -250,9 +252,12 @@ class RootRerun(Feature):
         # BatchNorm's kernels update its running statistics without moving their version counters.
         self.norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)]
         self.lazy = any(isinstance(m, torch.nn.modules.lazy.LazyModuleMixin) for m in model.modules())
-        for register in (torch.nn.modules.module.register_module_buffer_registration_hook,
-                         torch.nn.modules.module.register_module_module_registration_hook):
-            handles.append(register(self._relist))
+        # process-wide hooks: through the one list of numguard's patches, undone at close()
+        self.registration = [_patches.add_hook(register, self._relist, target=f"{register.__name__} (rerun=True, "
+                                               f"inspector {id(self.inspector):#x})",
+                                               why="list the model's buffers again when one is registered")
+                             for register in (torch.nn.modules.module.register_module_buffer_registration_hook,
+                                              torch.nn.modules.module.register_module_module_registration_hook)]
         handles.append(model.register_forward_pre_hook(
             torch.compiler.disable(self._keep), with_kwargs=True))
         handles.append(model.register_forward_hook(
@@ -361,6 +366,8 @@ class RootRerun(Feature):
     def close(self):
         self.calls.clear()
         self.replacement = None
+        for patch in self.registration:
+            _patches.restore(patch)
 
     # -- the rerun -------------------------------------------------------------------------------
     def annotate_report(self, report, offender, frames):
