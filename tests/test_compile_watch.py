@@ -266,6 +266,25 @@ def test_a_wrapper_made_after_watch_that_reuses_code_compiled_before_it_is_named
     insp.close(check=False)
 
 
+def test_a_wrapper_numguard_cannot_hook_is_said_and_compiles(monkeypatch):
+    # numguard's failure to hook a new wrapper does not fail torch.compile, and is not silent
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    torch.compile(model, backend="eager")(torch.randn(2, 4))   # dynamo has compiled something
+    insp = numguard.watch(model, report_to=None)
+    from numguard.inspector import graph
+
+    def broken(*args):
+        raise RuntimeError("hooks refused")
+    monkeypatch.setattr(graph, "_hook_wrapper", broken)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = torch.compile(model, backend="eager")
+    said = [str(w.message) for w in caught if "could not hook this torch.compile wrapper" in str(w.message)]
+    assert len(said) == 1 and "hooks refused" in said[0], [str(w.message) for w in caught]
+    assert again(torch.randn(2, 4)).shape == (2, 4)
+    insp.close(check=False)
+
+
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 @pytest.mark.parametrize("how", ["torch.compile(model)", "model.compile()"])
 def test_rerun_of_a_compiled_model_gives_its_verdict(backend, how):

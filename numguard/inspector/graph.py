@@ -171,8 +171,12 @@ def _follow_new_wrappers(wrapper_class, roots) -> None:
             inspector = roots.get(model) if isinstance(model, torch.nn.Module) else None
             if inspector is not None and not inspector._batch.closed and torch._dynamo.utils.counters["frames"]["ok"]:
                 inspector._handles += _hook_wrapper(inspector, model, self)
-        except Exception:   # numguard's failure must not fail torch.compile
-            pass
+        except Exception as exc:   # numguard's failure must not fail torch.compile; it says so
+            import warnings
+
+            from ..errors import InspectorWarning
+            warnings.warn(f"numguard: could not hook this torch.compile wrapper ({type(exc).__name__}: {exc}); if it "
+                          "runs code compiled before watch(), its calls are not watched", InspectorWarning, stacklevel=2)
 
     patches.replace(wrapper_class, "__init__", init, target=_NEW_WRAPPERS,
                     why="hook torch.compile wrappers of watched models made after watch()")
