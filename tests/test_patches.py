@@ -105,3 +105,22 @@ def test_a_watcher_left_open_elsewhere_keeps_only_what_it_uses():
     finally:
         left_open.close()
     assert torch.autograd.backward is original_backward
+
+
+def test_the_batch_finder_lists_its_registration_hook_while_a_try_runs(tmp_path):
+    """The finder's process-wide module-registration hook (guarding a DDP model made inside a try)
+    is numguard's like the others: listed by numguard.patched() during the try, gone after."""
+    from numguard.memory.ranks import _Exchange
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        exchange = _Exchange()
+        before = _targets()
+        exchange.begin_try()
+        try:
+            added = [t for t in _targets() if t not in before]
+            assert len(added) == 1 and "batch finder" in added[0], added
+        finally:
+            exchange.end_try()
+        assert _targets() == before
+    finally:
+        dist.destroy_process_group()

@@ -9,6 +9,7 @@ from datetime import timedelta
 
 import torch
 
+from .. import patches as _patches
 from ..env import read as _read_env
 from .oom import BatchSizeTimeoutError, PeerFailedError, _WHERE
 
@@ -177,8 +178,11 @@ class _Exchange:
         self.state[2] += 1
         self.aborted = False
         self.ddp_guarded, self.ddp_unwatched = 0, []
-        self._observer = torch.nn.modules.module.register_module_module_registration_hook(
-            _observe_ddp)
+        # a process-wide hook: through the one list of numguard's patches, removed at end_try()
+        self._observer = _patches.add_hook(
+            torch.nn.modules.module.register_module_module_registration_hook, _observe_ddp,
+            target=f"register_module_module_registration_hook (batch finder {id(self):#x})",
+            why="guard a DistributedDataParallel made inside the batch-size search")
         self._stop = threading.Event()
         threading.Thread(target=self._watch, args=(self._stop,), daemon=True,
                          name="numguard-batch-watchdog").start()
@@ -188,7 +192,7 @@ class _Exchange:
             self._stop.set()
         observer, self._observer = getattr(self, "_observer", None), None
         if observer is not None:
-            observer.remove()
+            _patches.restore(observer)
 
     def _watch(self, stop):
         import time
