@@ -14,7 +14,11 @@ bit flipped in a gradient bucket after its all_reduce, in a weight in memory). W
   and the healthy one does not: a side whose value lies at least ``GAP`` binades further out than
   every other side's is named ("device"). A flip that keeps the magnitude (a sign, a mantissa
   bit) leaves nothing to tell the sides apart: the verdict is "undecided", naming the ranks that
-  disagree and what to check, never a guess.
+  disagree and what to check. The rule bets that the healthy value is an ordinary one: a flip
+  that brings a value from the tensor's far tail back among the ordinary ones names the healthy
+  rank (1 of 200 bucket exponent faults on 2 ranks in benchmarks/bench_faults.py); a stricter
+  rule (both sides against the range of 99% of the values) left that one named and decided
+  fewer of the others.
 The spike baselines cannot decide a tie: a gradient spike is looked at only with backward=True and
 after the step, and a low bit moves neither side's history. The work happens only after a finding:
 the healthy check is the one all_reduce of the replica check.
