@@ -94,6 +94,12 @@ def test_on_3_ranks_the_majority_names_a_low_mantissa_flip_and_the_error_carries
         assert "differ from the majority of ranks" in r["attribution"]["detail"]
 
 
+def test_a_healthy_run_pays_no_verdict_work_one_all_reduce_per_check():
+    for r in run("healthy"):
+        assert r["checks"] == 10 and r["all_reduces"] == 10, r   # 5 forwards and 5 steps, replicas=1
+        assert r["all_gathers"] == 0 and r["judged"] == 0 and r["findings"] == 0, r
+
+
 # ---------------------------------------------------------------------------------------------
 # Rank side
 
@@ -123,6 +129,25 @@ def worker(scenario):
     from numguard.distributed import CrossRankWarning, ReplicaDivergenceError
     from numguard.testing import faults
     out = {"rank": rank, "error": None}
+    if scenario == "healthy":
+        from numguard.distributed import replica_blame, replicas
+        calls = {"all_reduces": 0, "all_gathers": 0, "judged": 0}
+
+        def counted(key, fn):
+            def wrapper(*args, **kwargs):
+                calls[key] += 1
+                return fn(*args, **kwargs)
+            return wrapper
+        col = replicas._collectives
+        col.timed_all_reduce = counted("all_reduces", col.timed_all_reduce)
+        col.timed_all_gather = counted("all_gathers", col.timed_all_gather)
+        replica_blame.judge = counted("judged", replica_blame.judge)
+        ddp = _ddp(torch)
+        insp = numguard.watch(ddp, replicas=1, report_to=None)
+        _steps(torch, ddp, 5, rank)
+        out.update(calls, checks=insp._handles[-1].checks, findings=len(insp._handles[-1].findings))
+        insp.close(check=False)
+        return out
     # float32 values in [2^-15, 1) have exponent bit 4 set: flipping bit 27 divides by 2^16
     flip = {"exponent": dict(kind="exponent", bit=27), "low": dict(kind="low_mantissa"),
             "majority": dict(kind="low_mantissa")}[scenario]
