@@ -17,8 +17,9 @@ Multi-rank (--ranks 2,4): each rank trains a DDP copy under watch(spikes=True, r
 replicas=1, on_trip="warn"); the faults of each row are planned the same on every rank, each on a
 rank drawn at random: a bit flip of each class in a Linear's output (once: "transient" wanted; at
 every call: "device" naming that rank), a corrupted sample (one input element times 2^24 on one
-rank: "reproducible"), a DDP gradient bucket after its all_reduce (faults.inject_bucket: found by
-the replica check, no rerun verdict) and a weight (faults.inject_weight, on one rank: "device").
+rank: "reproducible"), a DDP gradient bucket after its all_reduce (faults.inject_bucket) and a
+weight (faults.inject_weight, on one rank), both found by the replica check, whose verdict must be
+"device" naming that rank (NOTE: [replica verdict]; "undecided" is counted as not correct).
 The steps a fault is in take no optimizer step on any rank (the next fault starts clean). A fault
 counts as detected when any rank's alarm names its batch (or the replica check names its rank);
 its verdict is correct when every rank's last verdict for that batch is the wanted one. Steps to
@@ -50,6 +51,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import numguard  # noqa: E402
+from numguard.distributed import CrossRankWarning  # noqa: E402
 from numguard.errors import NonFiniteWarning  # noqa: E402
 from numguard.inspector.history import WINDOW  # noqa: E402
 from numguard.inspector.spikes import ARM  # noqa: E402
@@ -242,13 +244,13 @@ MULTI_ROWS = [(site, kind, persistent) for site in ("output",) for kind in fault
     for persistent in (False, True)] + [("weight", kind, False) for kind in ("exponent", "low_mantissa")]
 # The verdict a fault should get: a one-time fault "transient", a fault at every call "device" (the
 # faulty rank), a corrupted sample "reproducible". A gradient bucket corrupted after the all_reduce
-# and a flipped weight are found by the replica check, which gives no rerun verdict (None: the
-# table says whether the check named the rank; on 2 ranks it cannot: a tie).
+# and a flipped weight are found by the replica check, whose verdict must be "device" naming the
+# faulty rank ("undecided" counts as not correct).
 def _wanted(site, persistent):
     if site == "data":
         return "reproducible"
     if site in ("bucket", "weight"):
-        return None
+        return "device"
     return "device" if persistent else "transient"
 
 
@@ -267,6 +269,8 @@ def _rank_events(caught, step, events, sentinel_findings):
         elif isinstance(m, NonFiniteWarning):
             events.append((step, "non-finite", a.batch_number if a is not None else step,
                            getattr(a, "verdict", None), getattr(a, "rank", None)))
+        elif isinstance(m, CrossRankWarning) and a is not None:   # a replica check's finding
+            events.append((step, "replica check", a.batch_number, a.verdict, a.rank))
     caught.clear()
 
 

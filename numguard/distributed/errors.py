@@ -29,11 +29,14 @@ class ReplicaDivergenceError(RuntimeError):
     """The replicas of data-parallel parameters (or of their gradients before the optimizer step)
     are not bitwise identical on every rank (numguard.distributed.replicas). Raised on every rank
     of the group in the same step. ``.finding`` is the dictionary the warning and the dump show
-    (parameters, minority ranks, differing elements, largest difference in ulps)."""
+    (parameters, minority ranks, differing elements, largest difference in ulps); ``.attribution``
+    the :class:`numguard.Attribution` naming the rank whose copy is corrupted ("device"), or
+    "undecided" (NOTE: [replica verdict] in numguard.distributed.replica_blame)."""
 
-    def __init__(self, message: str, finding: dict):
+    def __init__(self, message: str, finding: dict, attribution=None):
         super().__init__(message)
         self.finding = finding
+        self.attribution = attribution
 
 
 class CrossRankWarning(DistributedWarning):

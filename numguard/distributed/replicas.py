@@ -36,9 +36,10 @@ import weakref
 import torch
 
 from .. import _torch_ops, ops
-from ..errors import InspectorWarning
+from ..errors import Attribution, InspectorWarning
 from . import channel as _channel
 from . import collectives as _collectives
+from . import replica_blame as _blame
 from .errors import CrossRankWarning, DistributedOperationException, ReplicaDivergenceError
 from .logging import get_logger
 
@@ -85,7 +86,7 @@ class ReplicaSentinel:
     (see the module docstring). ``remove()`` takes its hooks off."""
 
     def __init__(self, model: torch.nn.Module, every: int, group=None, gradients: bool = True,
-                 on_trip: str = "raise", dump_dir=None, batch_number=None, quiet=None):
+                 on_trip: str = "raise", dump_dir=None, batch_number=None, quiet=None, verdicts=None):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"numguard: replicas every={every!r} is not valid: pass a whole number "
                              ">= 1 (check every N steps), or 0 / leave it out to turn the check off")
@@ -97,6 +98,7 @@ class ReplicaSentinel:
         self.dump_dir = dump_dir
         self.batch_number = batch_number   # callable(kind) giving the inspector's batch, or None
         self.quiet = quiet                 # callable: True while a forward is numguard's own (a rerun)
+        self.verdicts = verdicts           # a list the verdicts of findings are appended to, or None
         self.forwards = 0
         self.steps = 0
         self.checks = 0                    # collectives run (parameters and gradients)
@@ -229,6 +231,7 @@ class ReplicaSentinel:
                 "majority_ranks": [ranks[r] for r, v in enumerate(column) if v == majority],
                 "minority_ranks": [ranks[r] for r, v in enumerate(column) if v != majority],
                 "tie": list(counts.values()).count(top) > 1,
+                "groups": [[ranks[r] for r, v in enumerate(column) if v == value] for value in counts],
                 "numel": int(tensors[j].numel()) if tensors[j] is not None else 0,
                 "differing_elements": None, "max_ulps": None,
                 "reference_rank": ranks[column.index(majority)],
@@ -241,14 +244,20 @@ class ReplicaSentinel:
                 batch = self.batch_number(kind)
             except Exception:
                 batch = None
-        return {"kind": kind, "when": when, "batch_number": batch, "ranks": list(ranks),
-                "rank": ranks[st.rank], "parameters": mismatches,
-                "fingerprints": {str(ranks[r]): {self.names[j]: _hex(int(table[r, j]))
-                                                 for j in range(words)} for r in range(st.world)}}
+        device = next((str(t.device) for t in tensors if t is not None), "cpu")
+        finding = {"kind": kind, "when": when, "batch_number": batch, "ranks": list(ranks),
+                   "rank": ranks[st.rank], "device": device, "parameters": mismatches,
+                   "fingerprints": {str(ranks[r]): {self.names[j]: _hex(int(table[r, j]))
+                                                    for j in range(words)} for r in range(st.world)}}
+        attribution = _blame.judge(st, finding, site, self.findings[-1] if self.findings else None)
+        finding["attribution"] = attribution.to_dict()
+        return finding
 
     def _measure(self, st, m, t, table, site) -> None:
         """Differing elements and largest ulp difference of one offending tensor, against the
-        reference rank's bits (shared by an all_reduce(SUM) where only that rank contributes)."""
+        reference rank's bits (shared by an all_reduce(SUM) where only that rank contributes), and
+        how far out this rank's values at the elements that differ on any rank lie in the tensor
+        (NOTE: [replica verdict])."""
         if t is None or t.numel() == 0:
             return
         x = _fingerprintable(t).cpu().contiguous().reshape(-1)
@@ -266,15 +275,22 @@ class ReplicaSentinel:
             a = _ordered_bits(mine[diff], width, floating)
             b = _ordered_bits(shared[diff], width, floating)
             ulps = int((a.double() - b.double()).abs().max())
-        words = 2
+        anywhere = diff.to(torch.int64)
+        _collectives.timed_all_reduce(st, anywhere, torch.distributed.ReduceOp.MAX,
+                                      f"numguard replica differing elements of {m['name']} (all_reduce)", site)
+        odd = _blame.oddness(x.reshape(-1), anywhere.bool())
+        words = 3
         hin_b, hin, *_ = st.gather_buffers(words)
         hin[0], hin[1] = n_diff, ulps
+        hin[2:3] = torch.tensor([odd], dtype=torch.float64).view(torch.int64)
         out = torch.frombuffer(_collectives.timed_all_gather(
             st, words, f"numguard replica difference of {m['name']} (all_gather)", site),
-            dtype=torch.int64).clone().view(st.world, 2)
+            dtype=torch.int64).clone().view(st.world, 3)
         m["differing_elements"] = int(out[:, 0].max())
         m["max_ulps"] = int(out[:, 1].max())
         m["per_rank"] = {str(st.global_ranks[r]): [int(out[r, 0]), int(out[r, 1])] for r in range(st.world)}
+        m["oddness"] = {str(r): None if v != v else v   # nan: not comparable
+                        for r, v in zip(st.global_ranks, out[:, 2].contiguous().view(torch.float64).tolist())}
 
     # -- reporting --------------------------------------------------------------------------------
     def _report(self, st, finding) -> None:
@@ -284,15 +300,20 @@ class ReplicaSentinel:
             return
         self._known |= keys
         self.findings.append(finding)
+        attribution = Attribution(**finding["attribution"]) if finding.get("attribution") else None
+        if attribution is not None and self.verdicts is not None:
+            self.verdicts.append(attribution)
         message = describe(finding)
         if self.on_trip == "dump":
             path = self._dump(finding)
             finding["dump"] = path
             message += f" Fingerprint tables written to {path}."
         if self.on_trip == "raise":
-            raise ReplicaDivergenceError(message, finding)
+            raise ReplicaDivergenceError(message, finding, attribution)
         _log.warning(message, main_process_only=False)
-        warnings.warn(message, CrossRankWarning, stacklevel=4)
+        warning = CrossRankWarning(message)
+        warning.attribution = attribution
+        warnings.warn(warning, stacklevel=4)
 
     def _dump(self, finding) -> str:
         directory = os.fspath(self.dump_dir) if self.dump_dir is not None else os.getcwd()
@@ -328,6 +349,9 @@ def describe(finding: dict) -> str:
             f"{finding['ranks']}): ")
     tail = (" The gradients were checked before the optimizer step: the step has not run."
             if finding.get("step_stopped") else "")
+    verdict = finding.get("verdict")
+    if verdict:
+        tail += f" Verdict: {verdict['verdict']}: {verdict['detail']}."
     return head + "; ".join(parts) + "." + tail
 
 
@@ -353,7 +377,7 @@ def attach(inspector, model) -> ReplicaSentinel:
         rerun = getattr(inspector, "_rerun", None)
         return rerun is not None and rerun.running
     return ReplicaSentinel(model, opts.replicas, on_trip=opts.on_trip, dump_dir=opts.dump_dir,
-                           batch_number=batch_number, quiet=rerunning)
+                           batch_number=batch_number, quiet=rerunning, verdicts=inspector.verdicts)
 
 
 __all__ = ["BUCKETS", "DETAILED", "ReplicaSentinel", "attach", "describe", "watch_replicas"]
