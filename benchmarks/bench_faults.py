@@ -19,7 +19,7 @@ rank drawn at random: a bit flip of each class in a Linear's output (once: "tran
 every call: "device" naming that rank), a corrupted sample (one input element times 2^24 on one
 rank: "reproducible"), a DDP gradient bucket after its all_reduce (faults.inject_bucket) and a
 weight (faults.inject_weight, on one rank), both found by the replica check, whose verdict must be
-"device" naming that rank (NOTE: [replica verdict]; "undecided" is counted as not correct).
+"device" naming that rank (NOTE: [replica verdict]; no verdict is counted as not correct).
 The steps a fault is in take no optimizer step on any rank (the next fault starts clean). A fault
 counts as detected when any rank's alarm names its batch (or the replica check names its rank);
 its verdict is correct when every rank's last verdict for that batch is the wanted one. Steps to
@@ -245,7 +245,7 @@ MULTI_ROWS = [(site, kind, persistent) for site in ("output",) for kind in fault
 # The verdict a fault should get: a one-time fault "transient", a fault at every call "device" (the
 # faulty rank), a corrupted sample "reproducible". A gradient bucket corrupted after the all_reduce
 # and a flipped weight are found by the replica check, whose verdict must be "device" naming the
-# faulty rank ("undecided" counts as not correct).
+# faulty rank (no verdict counts as not correct).
 def _wanted(site, persistent):
     if site == "data":
         return "reproducible"
@@ -269,8 +269,10 @@ def _rank_events(caught, step, events, sentinel_findings):
         elif isinstance(m, NonFiniteWarning):
             events.append((step, "non-finite", a.batch_number if a is not None else step,
                            getattr(a, "verdict", None), getattr(a, "rank", None)))
-        elif isinstance(m, CrossRankWarning) and a is not None:   # a replica check's finding
-            events.append((step, "replica check", a.batch_number, a.verdict, a.rank))
+        elif isinstance(m, CrossRankWarning) and getattr(m, "finding", None) is not None:   # a replica check's
+            verdict = m.finding.get("verdict") or {}
+            events.append((step, "replica check", m.finding.get("batch_number"), verdict.get("verdict"),
+                           verdict.get("rank")))
     caught.clear()
 
 

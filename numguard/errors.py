@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-VERDICTS = ("transient", "device", "reproducible", "undecided")
+VERDICTS = ("transient", "device", "reproducible")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,8 +15,8 @@ class Attribution:
         verdict: "transient" (the same inputs on the same device gave finite values: a glitch),
             "device" (this device reproduces it, a data-parallel peer does not) or "reproducible"
             (it repeats: the data or the model); for replicas that diverged (the replica check),
-            "device" naming the rank whose copy is corrupted, or "undecided" when that cannot be
-            told (rank None; the detail names the ranks that disagree and what to check).
+            "device" naming the rank whose copy is corrupted (where that cannot be told there is
+            no Attribution: the finding's message names the ranks that disagree and what to check).
         rank: the rank whose step was rerun (None outside torch.distributed).
         host: that rank's host name.
         device: the device the step ran on (e.g. "cuda:3", "cpu").

@@ -105,7 +105,7 @@ def real_report(tmp_path_factory):
     (lambda d: d["frames"][2]["shapes"].__setitem__(0, [-1]), "frames[2].shapes[0]",
      "expected a list of whole numbers >= 0, or null, got [-1]"),
     (lambda d: d["rerun"].__setitem__("verdict", "maybe"), "rerun.verdict",
-     "expected one of 'transient', 'device', 'reproducible', 'undecided' or null, got 'maybe'"),
+     "expected one of 'transient', 'device', 'reproducible' or null, got 'maybe'"),
     (lambda d: d["rerun"].__setitem__("recovered", "no"), "rerun.recovered", "expected true or false, got 'no'"),
     (lambda d: d["history"]["modules"][0]["out_abs_max"].__setitem__(0, "x"), "history.modules[0].out_abs_max[0]",
      "expected a number or null, got 'x'"),

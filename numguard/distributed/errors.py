@@ -30,8 +30,8 @@ class ReplicaDivergenceError(RuntimeError):
     are not bitwise identical on every rank (numguard.distributed.replicas). Raised on every rank
     of the group in the same step. ``.finding`` is the dictionary the warning and the dump show
     (parameters, minority ranks, differing elements, largest difference in ulps); ``.attribution``
-    the :class:`numguard.Attribution` naming the rank whose copy is corrupted ("device"), or
-    "undecided" (NOTE: [replica verdict] in numguard.distributed.replica_blame)."""
+    the :class:`numguard.Attribution` naming the rank whose copy is corrupted ("device"), or None
+    where that cannot be told (NOTE: [replica verdict] in numguard.distributed.replica_blame)."""
 
     def __init__(self, message: str, finding: dict, attribution=None):
         super().__init__(message)

@@ -13,8 +13,9 @@ bit flipped in a gradient bucket after its all_reduce, in a weight in memory). W
   elements. A flipped exponent bit moves a value by 2^8 or more, so the corrupted copy stands out
   and the healthy one does not: a side whose value lies at least ``GAP`` binades further out than
   every other side's is named ("device"). A flip that keeps the magnitude (a sign, a mantissa
-  bit) leaves nothing to tell the sides apart: the verdict is "undecided", naming the ranks that
-  disagree and what to check. The rule bets that the healthy value is an ordinary one: a flip
+  bit) leaves nothing to tell the sides apart: no verdict (no Attribution; numguard.Attribution's
+  verdicts are the three of the contract), and the message names the ranks that disagree and what
+  to check. The rule bets that the healthy value is an ordinary one: a flip
   that brings a value from the tensor's far tail back among the ordinary ones names the healthy
   rank (1 of 200 bucket exponent faults on 2 ranks in benchmarks/bench_faults.py); a stricter
   rule (both sides against the range of 99% of the values) left that one named and decided
@@ -92,7 +93,7 @@ def _follows(finding: dict, earlier) -> list | None:
     return before["ranks"]
 
 
-def judge(st, finding: dict, site: str, earlier=None) -> Attribution:
+def judge(st, finding: dict, site: str, earlier=None) -> Attribution | None:
     """The verdict of a finding, the same on every rank (every rank of the group calls it: one
     all_gather of each rank's host and device). Sets ``finding["verdict"]``. `earlier`: the
     sentinel's finding before this one (a step that took corrupted gradients makes its parameters
@@ -130,9 +131,11 @@ def judge(st, finding: dict, site: str, earlier=None) -> Attribution:
                   + ("; the ranks named differ by parameter" if len(set(named)) > 1 else "")
                   + ". Check each rank's device (memory errors, e.g. nvidia-smi -q -d ECC, a rerun of the job on "
                   "other devices), and run with 3 or more data-parallel ranks so a majority names it")
-        verdict = {"verdict": "undecided", "rank": None, "ranks": disagree, "host": "", "device": "",
+        verdict = {"verdict": None, "rank": None, "ranks": disagree, "host": "", "device": "",
                    "detail": detail}
     finding["verdict"] = verdict
+    if verdict["verdict"] is None:
+        return None
     return Attribution(verdict["verdict"], verdict["rank"], verdict["host"], verdict["device"], batch, detail)
 
 

@@ -250,7 +250,7 @@ class ReplicaSentinel:
                    "fingerprints": {str(ranks[r]): {self.names[j]: _hex(int(table[r, j]))
                                                     for j in range(words)} for r in range(st.world)}}
         attribution = _blame.judge(st, finding, site, self.findings[-1] if self.findings else None)
-        finding["attribution"] = attribution.to_dict()
+        finding["attribution"] = attribution.to_dict() if attribution is not None else None
         return finding
 
     def _measure(self, st, m, t, table, site) -> None:
@@ -313,6 +313,7 @@ class ReplicaSentinel:
         _log.warning(message, main_process_only=False)
         warning = CrossRankWarning(message)
         warning.attribution = attribution
+        warning.finding = finding
         warnings.warn(warning, stacklevel=4)
 
     def _dump(self, finding) -> str:
@@ -351,7 +352,8 @@ def describe(finding: dict) -> str:
             if finding.get("step_stopped") else "")
     verdict = finding.get("verdict")
     if verdict:
-        tail += f" Verdict: {verdict['verdict']}: {verdict['detail']}."
+        tail += (f" Verdict: {verdict['verdict']}: {verdict['detail']}." if verdict["verdict"]
+                 else f" No verdict: {verdict['detail']}.")
     return head + "; ".join(parts) + "." + tail
 
 
