@@ -253,13 +253,14 @@ def bench_cuda_many(rounds, count=1000, nbytes=4 * KB):
 
 # ---------------------------------------------------------------------------------------------
 
-def bench_quant(rounds, nbytes, device="cpu"):
-    """numguard.quant_stats of each format against torch.sum of the same float32 tensor (1 thread on
-    the CPU), interleaved rounds, medians. On the CPU the ratio is also taken of the calling
+def bench_quant(rounds, nbytes, device="cpu", dtype=torch.float32):
+    """numguard.quant_stats of each format against torch.sum of the same tensor of `dtype` (1 thread
+    on the CPU), interleaved rounds, medians. On the CPU the ratio is also taken of the calling
     thread's CPU time (time_cpu), which a shared machine disturbs less than the wall clock.
     Targets (issue: low-precision formats): <= 1.5x for the per-tensor formats, <= 2x for the block
     formats."""
-    x = make_input(nbytes, torch.float32, device)
+    x = make_input(nbytes, dtype, device)
+    dtype_name = str(dtype).replace("torch.", "")
     rows = []
     cuda = torch.device(device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -282,10 +283,12 @@ def bench_quant(rounds, nbytes, device="cpu"):
         ratio = med["quant"] / med["sum"]
         cpu_ratio = None if cuda else cpu_med["quant"] / cpu_med["sum"]
         judged = ratio if cpu_ratio is None else cpu_ratio
-        rows.append({"format": fmt, "bytes": nbytes, "device": device, "quant_s": med["quant"], "sum_s": med["sum"],
-                     "ratio": ratio, "cpu_ratio": cpu_ratio, "target": target, "met": judged <= target})
+        rows.append({"format": fmt, "dtype": dtype_name, "bytes": nbytes, "device": device, "quant_s": med["quant"],
+                     "sum_s": med["sum"], "ratio": ratio, "cpu_ratio": cpu_ratio, "target": target,
+                     "met": judged <= target})
         cpu_text = "" if cpu_ratio is None else f", CPU time {cpu_ratio:5.2f}x"
-        print(f"  quant_stats {fmt:<14} {human(nbytes)} {device}: {med['quant'] * 1e3:8.2f} ms, torch.sum "
+        print(f"  quant_stats {fmt:<14} {dtype_name:<8} {human(nbytes)} {device}: {med['quant'] * 1e3:8.2f} ms, "
+              f"torch.sum "
               f"{med['sum'] * 1e3:7.2f} ms: wall {ratio:6.2f}x{cpu_text} (target <= {target:g}: "
               f"{'met' if judged <= target else 'NOT met'})")
     return rows
@@ -307,12 +310,15 @@ def main(argv=None):
     group.add_argument("--cpu-only", action="store_true", help="skip the CUDA sweep")
     parser.add_argument("--output", default=os.path.join(RESULTS, "bench_kernels.json"))
     parser.add_argument("--quant", action="store_true",
-                        help="only numguard.quant_stats of each format against torch.sum (16 MB float32)")
+                        help="only numguard.quant_stats of each format against torch.sum (16 MB float32, bfloat16, "
+                             "float16)")
     args = parser.parse_args(argv)
     if args.quant:
         torch.set_num_threads(1)
         print(f"numguard.quant_stats against torch.sum, 1 CPU thread; torch {torch.__version__}")
-        rows = bench_quant(args.rounds, 16 * MB)
+        rows = []
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):  # what training tensors are
+            rows += bench_quant(args.rounds, 16 * MB, dtype=dtype)
         if torch.cuda.is_available():
             rows += bench_quant(args.rounds, 256 * MB, "cuda")
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
