@@ -140,7 +140,11 @@ def _fingerprint(values):
     buffer). None when there is nothing to summarize or it cannot be made (mixed devices, a tensor
     subclass). A few launches per call whatever the number of inputs, no wait."""
     try:
-        xs = [x.detach() if x.requires_grad else x for x in output_tensors(values, []) if type(x) is _Tensor
+        args, kwargs = values
+        # one tensor argument (the common case) without the walk through containers
+        one = not kwargs and len(args) == 1 and type(args[0]) is _Tensor
+        tensors = [args[0]] if one else output_tensors(values, [])
+        xs = [x.detach() if x.requires_grad else x for x in tensors if type(x) is _Tensor
               and x.layout == torch.strided and x.numel() and not x.is_complex()]
         floats = [x for x in xs if x.is_floating_point()]
         others = [x for x in xs if not x.is_floating_point()]

@@ -124,6 +124,8 @@ class SpikeDetector:
         self._plans = {}           # tuple of labels -> _plan(...) of that list of parameters
         self.root = None           # the root's owner (the loss row names it)
         self.watch_norms = True    # off after an internal error there
+        self._views, self._views_of = {}, None   # slot -> _slot_views(...) of the root rows `_views_of`
+        self._finite_norms = None  # the parameters' norms with NaN as 0 (the total norm's input)
 
     @outside_inference_mode
     def _order_in_batch(self, frames, modules, device):
@@ -164,6 +166,19 @@ class SpikeDetector:
             self._holding = set()
         return rows
 
+    def _slot_views(self, rows, slot):
+        """(|loss|, the gradient norms' column, its parameters' part, a buffer of that part's size)
+        of history slot `slot` of the root rows `rows`: made once per slot, as each slice is a
+        dispatch."""
+        if self._views_of is not rows:
+            self._views, self._views_of = {}, rows
+            self._finite_norms = torch.empty(rows.shape[0] - 1, dtype=rows.dtype, device=rows.device)
+        views = self._views.get(slot)
+        if views is None:
+            column = rows[:, slot, 1]
+            views = self._views[slot] = (rows[0, slot, 0], column, column[1:])
+        return views
+
     @outside_inference_mode
     def note_loss(self, output, slot, window, device):
         """Keep |loss| of the batch in history slot `slot` (NOTE: [loss spikes]): the root's
@@ -177,9 +192,10 @@ class SpikeDetector:
                 rows[:, slot].fill_(math.nan)   # and no gradient norms until a step gives them
                 self._holding.discard(slot)
             return
+        loss_cell, norms, _ = self._slot_views(rows, slot)
         if self.parameters and held:
-            rows[:, slot, 1].fill_(math.nan)
-        rows[0, slot, 0].copy_(loss.detach().reshape(()).abs())
+            norms.fill_(math.nan)
+        loss_cell.copy_(loss.detach().reshape(())).abs_()
         self._holding.add(slot)
 
     @outside_inference_mode
@@ -194,21 +210,26 @@ class SpikeDetector:
             if len(self._plans) >= 64:   # lists that change every step (experts without gradients)
                 self._plans.clear()
             plan = self._plans[key] = self._plan(labels, grads, window, device)
-        index, keep, on_device = plan
+        index, keep, on_device, first_row = plan
         if index is None:
             return
         if keep is not None:
             grads = [grads[i] for i in keep]
         norms = torch._foreach_norm(grads, 2, dtype=torch.float32)  # float32: fp16 norms overflow
-        norms = torch.stack(norms if on_device else [n.to(device, non_blocking=True) for n in norms])
-        column = self._root_rows(window, device)[:, slot, 1]
-        column.index_copy_(0, index, norms.to(torch.float64))
-        torch.linalg.vector_norm(column[1:].nan_to_num(nan=0.0), out=column[0])   # over every optimizer's rows
+        _, column, parameter_norms = self._slot_views(self._root_rows(window, device), slot)
+        if first_row is not None and on_device:   # rows in order: copied into them, one op
+            column.narrow(0, first_row, len(norms)).copy_(torch.stack(norms))
+        else:
+            norms = torch.stack(norms if on_device else [n.to(device, non_blocking=True) for n in norms])
+            column.index_copy_(0, index, norms.to(torch.float64))
+        # over every optimizer's rows
+        torch.linalg.vector_norm(torch.nan_to_num(parameter_norms, nan=0.0, out=self._finite_norms), out=column[0])
         self._holding.add(slot)
 
     def _plan(self, labels, grads, window, device):
         """(device index of the gradients' rows, the positions of the gradients that count or None
-        for all, whether all are on `device`) for one list of parameters; new rows are added."""
+        for all, whether all are on `device`, their first row where their rows follow each other in
+        order or None) for one list of parameters; new rows are added."""
         keep = [i for i, g in enumerate(grads) if g.is_floating_point() and g.numel()]
         fresh = [labels[i] for i in keep if labels[i] not in self._parameter_row]
         if fresh:
@@ -224,10 +245,12 @@ class SpikeDetector:
                 self._holding = holding
         self._root_rows(window, device)
         if not keep:
-            return None, None, True
-        index = host_to_device(torch.tensor([self._parameter_row[labels[i]] for i in keep], dtype=torch.int64),
-                               device)
-        return index, None if len(keep) == len(grads) else keep, all(grads[i].device == device for i in keep)
+            return None, None, True, None
+        places = [self._parameter_row[labels[i]] for i in keep]
+        index = host_to_device(torch.tensor(places, dtype=torch.int64), device)
+        in_order = places == list(range(places[0], places[0] + len(places)))
+        return (index, None if len(keep) == len(grads) else keep, all(grads[i].device == device for i in keep),
+                places[0] if in_order else None)
 
     def after_fold(self, history, state_buf, frames=()):
         """Test every batch this fold brought in (`frames`: with check_every=N, or a backward whose
@@ -273,22 +296,20 @@ class SpikeDetector:
         first_batch = tested[0]
         offsets = tuple(b - first_batch for b in tested)
         skip_outputs = spanning and first_batch == lo
-        # The tested batches, batch by batch: [n, rows, 2] ([rows, 2] for one), so that an element's
-        # flat index is the spike's code, (batch offset * rows + row) * 2 + field, where the offsets
-        # are 0, 1, ...
-        if len(slots) == 1:
-            seen = scratch.one_batch(root_rows, slots[0])
-        else:
-            runs = [self._slots(values, root_rows, s, n) for s, n in _runs(slots)]
-            seen = runs[0] if len(runs) == 1 else torch.cat(runs)
         order, never = self._keys_for(offsets, skip_outputs, device, window)
+        if len(slots) == 1:   # one check per batch: no allocation, one gather (NOTE: [spike test cost])
+            scratch.test_one_batch(root_rows, slots[0], upper, baseline, order, never)
+            self.pending = (first_batch, rows, modules)
+            return
+        # The tested batches, batch by batch: [n, rows, 2], so that an element's flat index is the
+        # spike's code, (batch offset * rows + row) * 2 + field, where the offsets are 0, 1, ...
+        runs = [self._slots(values, root_rows, s, n) for s, n in _runs(slots)]
+        seen = runs[0] if len(runs) == 1 else torch.cat(runs)
         # A value above its threshold (+inf where the row is not armed), and finite, is a spike; its
         # key is its place in time, the smallest key the first spike.
         key = torch.where(seen.nan_to_num(posinf=0.0) > upper, order, never)
         first, at = key.view(-1).min(0, keepdim=True)                  # [1] each
-        if len(offsets) == 1:
-            code = row_field = at
-        elif offsets == tuple(range(len(offsets))):
+        if offsets == tuple(range(len(offsets))):
             code, row_field = at, at.remainder(2 * rows)
         else:   # a batch between left no record: its offset from the key
             row_field = at.remainder(2 * rows)
@@ -373,18 +394,38 @@ class SpikeDetector:
 
 class _Scratch:
     """Views and small device buffers of a fold's test, made once per history table, state buffer
-    and number of rows: each slice is a dispatch, and a torch.cat costs several."""
+    and number of rows: each slice is a dispatch, and a torch.cat costs several.
+
+    NOTE: [spike test cost]
+    A check of one batch (the usual case) tests it with ten device ops writing into these buffers
+    and no allocation: the batch's values are copied out of the history with their +inf set to 0
+    (an infinite value is a trip, not a spike; the copy and that are one op), compared with the
+    thresholds, keyed by their place in time, and the smallest key taken. The spike's value and
+    its baseline sit side by side (`pair`: the batch's values, then the medians of the baseline),
+    so that one gather takes both, and the state words are written only where a spike was found
+    and none waits to be read, one add and one compare: first + code_word * never < never."""
 
     def __init__(self, table, state_buf, modules, rows):
         self.table, self.state_buf, self.rows = table, state_buf, rows
+        device = table.device
         # A strided slice, not a list index (which would copy an index tensor from the host).
         self.values = table[:, :, OUT_MAX:GRAD_MAX + 1:GRAD_MAX - OUT_MAX]   # [M, W, 2]: outputs, gradients
         self.words, self.code_word = state_buf[SPIKE_WORDS], state_buf[SPIKE_CODE]
-        self.seen = torch.empty((rows, 2), dtype=torch.float64, device=table.device)   # one batch's values
+        self.pair = torch.empty((2, rows * 2), dtype=torch.float64, device=device)   # values, medians
+        self.seen = self.pair[0].view(rows, 2)   # one batch's values
         self.seen_modules, self.seen_root = self.seen[:modules], self.seen[modules:]
-        self.verdict = torch.zeros(3, dtype=torch.int64, device=table.device)   # the spike words to write
+        self.medians, self.medians_of = self.pair[1], None   # the baseline whose medians `pair` holds
+        self.above = torch.empty((rows, 2), dtype=torch.bool, device=device)
+        self.key = torch.empty((rows, 2), dtype=torch.int64, device=device)
+        self.first, self.at, self.guard = (torch.empty(1, dtype=torch.int64, device=device) for _ in range(3))
+        self.free = torch.empty(1, dtype=torch.bool, device=device)
+        self.never = None          # (never, the same as a 0-dim device tensor)
+        self.slot_views = {}       # slot -> (the history's values, the root rows' values) of the slot
+        self.views_of = None       # the root rows `slot_views` are views of
+        self.verdict = torch.zeros(3, dtype=torch.int64, device=device)   # the spike words to write
         found = self.verdict[1:].view(torch.float64)
         self.code, self.value, self.baseline = self.verdict[0:1], found[0:1], found[1:2]
+        self.found = found.view(2, 1)   # value, baseline: one gather's output
 
     @classmethod
     @outside_inference_mode
@@ -394,20 +435,52 @@ class _Scratch:
     def fits(self, table, state_buf, rows):
         return self.table is table and self.state_buf is state_buf and self.rows == rows
 
-    def one_batch(self, root_rows, slot):
-        """The values of history slot `slot`, [rows, 2]: two copies, no allocation."""
-        self.seen_modules.copy_(self.values[:, slot])
-        self.seen_root.copy_(root_rows[:, slot])
-        return self.seen
+    def _slot(self, root_rows, slot):
+        if self.views_of is not root_rows:
+            self.slot_views, self.views_of = {}, root_rows
+        views = self.slot_views.get(slot)
+        if views is None:
+            views = self.slot_views[slot] = (self.values[:, slot], root_rows[:, slot])
+        return views
+
+    def _never(self, never):
+        if self.never is None or self.never[0] != never:
+            self.never = (never, torch.tensor(never, dtype=torch.int64, device=self.table.device))
+        return self.never[1]
+
+    def test_one_batch(self, root_rows, slot, upper, baseline, order, never):
+        """Test the batch in history slot `slot` against the thresholds `upper` and write its first
+        spike in time (`order`: each value's key; `never`: the key of none) into the state words
+        (NOTE: [spike test cost]). `baseline`: the medians of the thresholds' baseline, flat."""
+        if self.medians_of is not baseline:
+            self.medians.copy_(baseline)
+            self.medians_of = baseline
+        modules_now, root_now = self._slot(root_rows, slot)
+        torch.nan_to_num(modules_now, posinf=0.0, out=self.seen_modules)
+        torch.nan_to_num(root_now, posinf=0.0, out=self.seen_root)
+        torch.gt(self.seen, upper, out=self.above)
+        torch.where(self.above, order, self._never(never), out=self.key)
+        torch.min(self.key.view(-1), 0, keepdim=True, out=(self.first, self.at))
+        # gather, not v[at]: indexing with tensors reads them on the host
+        torch.gather(self.pair, 1, self.at.expand(2, 1), out=self.found)
+        torch.add(self.at, 1, out=self.code)
+        self._write_if_free(never)
 
     def write(self, seen, at, row_field, code, first, never, baseline):
         """Write the spike at flat index `at` of `seen` into the state words (its code, value and
         baseline), unless none was found (`first` is `never`) or one is waiting to be read."""
-        # gather, not v[at]: indexing with tensors reads them on the host
-        torch.gather(seen.view(-1), 0, at, out=self.value)
+        torch.gather(seen.reshape(-1), 0, at, out=self.value)
         torch.gather(baseline, 0, row_field, out=self.baseline)
         torch.add(code, 1, out=self.code)
-        torch.where((first < never) & (self.code_word == 0), self.verdict, self.words, out=self.words)
+        self.first.copy_(first)
+        self._write_if_free(never)
+
+    def _write_if_free(self, never):
+        """The state words := the verdict, where a spike was found (`first` below `never`) and
+        the code word is 0 (none waits to be read): first + code_word * never < never."""
+        torch.add(self.first, self.code_word, alpha=never, out=self.guard)
+        torch.lt(self.guard, never, out=self.free)
+        torch.where(self.free, self.verdict, self.words, out=self.words)
 
 
 def _runs(slots):
