@@ -302,7 +302,7 @@ def multi_rank_worker(n, n_other, gap, healthy_steps, blocks):
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     bucket = faults.inject_bucket(ddp, "exponent", at_call=0, rank=-1)   # armed per planned fault below
     gen = torch.Generator().manual_seed(1000 + rank)
-    events, active, no_step, no_backward, factors = [], {}, set(), set(), {}
+    events, active, no_step, no_backward, factors, over_amax = [], {}, set(), set(), {}, {}
     for s, (site, kind, persistent, f, name, seed) in plan.items():
         (no_step if site == "bucket" else no_backward).update(range(s, s + _span(site, persistent)))
     t0 = time.perf_counter()
@@ -339,7 +339,8 @@ def multi_rank_worker(n, n_other, gap, healthy_steps, blocks):
             for s in [s for s in active if step >= s + _span(*plan[s][0:3:2]) - 1]:
                 fired = active.pop(s)
                 if plan[s][3] == rank and plan[s][0] != "bucket" and fired.log:   # how much the flip scaled
-                    factors[s] = fired.records()[0]["factor"]
+                    first = fired.records()[0]
+                    factors[s], over_amax[s] = first["factor"], first["over_amax"]
                 elif plan[s][3] == rank and fired.log:
                     factors[s] = fired.records()[-1]["factor"]
                 if plan[s][0] == "bucket":
@@ -358,7 +359,8 @@ def multi_rank_worker(n, n_other, gap, healthy_steps, blocks):
     cost = _multi_overhead(blocks, rank)
     everything = [None] * world
     dist.all_gather_object(everything, {"rank": rank, "events": events, "findings": findings, "seconds": seconds,
-                                        "healthy": healthy, "overhead": cost, "factors": factors})
+                                        "healthy": healthy, "overhead": cost, "factors": factors,
+                                        "over_amax": over_amax})
     return {"world": world, "plan": {str(k): v for k, v in plan.items()}, "ranks": everything}
 
 
@@ -416,7 +418,7 @@ def multi_rank_table(result):
         row = {"world": world, "site": site, "kind": kind, "mode": "every call" if persistent else "once",
                "faults": len(steps), "detected": 0, "non-finite": 0, "spike": 0, "replica check": 0,
                "verdicts": 0, "correct": 0, "detect_steps": [], "attribute_steps": [], "rank named": 0,
-               "grew >=2^8": 0, "grown found": 0, "grown found within 1 step": 0}
+               "grew >=2^8": 0, "grown found": 0, "grown found within 1 step": 0, "grown missed": []}
         want = _wanted(site, persistent)
         for s in steps:
             f = plan[s][3]
@@ -426,6 +428,10 @@ def multi_rank_table(result):
             row["grew >=2^8"] += grew
             row["grown found"] += grew and bool(seen)
             row["grown found within 1 step"] += grew and bool(seen) and min(seen)[0] - s <= 1
+            if grew and not (seen and min(seen)[0] - s <= 1):
+                over = per_rank[f].get("over_amax", {})
+                row["grown missed"].append({"batch": s, "rank": f, "module": plan[s][4], "factor": factor,
+                                            "over_amax": over.get(str(s), over.get(s))})
             # a finding that names the rank, or a tie (2 ranks: which side is wrong cannot be told)
             replica = [b for r in per_rank for b, _, minority in r["findings"]
                        if b in (s, s + 1) and any(f in m or not m for m in minority)]
@@ -511,6 +517,11 @@ def main_ranks(args):
         print(header)
         for row in rows:
             print(_multi_row_text(row), flush=True)
+        for row in rows:   # an abs-max baseline sees a grown value only where it stands out of its tensor
+            for m in row["grown missed"]:
+                print(f"{world} ranks, {row['kind']} {row['mode']}: grown x{m['factor']:.3g} at batch {m['batch']} in "
+                      f"{m['module']} on rank {m['rank']} not found within 1 step; the flipped value is "
+                      f"{m['over_amax']:.3g}x its tensor's abs max before the flip")
         for h in result["ranks"][0]["healthy"]:
             alarms = sum(r["healthy"][result["ranks"][0]["healthy"].index(h)]["alarms"] for r in result["ranks"])
             print(f"{world} ranks, healthy run seed={h['seed']} dropout={h['dropout']}: {alarms} alarms on all "

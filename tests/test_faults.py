@@ -59,6 +59,7 @@ def test_inject_output_fires_once_or_at_every_call_and_is_removed(persistent):
     assert fault.fired == sum(changed)
     rec = fault.records()[0]
     assert rec["after"] == -rec["before"] and rec["where"] == "output" and rec["bit"] == 31
+    assert rec["over_amax"] == abs(rec["after"]) / float(clean.detach().abs().amax()) <= 1.0
     assert torch.equal(lin(x), clean)   # removed with the with-block
 
 

@@ -78,7 +78,7 @@ class Fault:
         self.bit = bit         # None: drawn from the class at each flip
         self.calls = 0
         self.fired = 0
-        self.log = []          # (where, index, bit, value before, value after): device tensors
+        self.log = []          # (where, index, bit, value before, value after, finite abs max before): device tensors
         self.handles = []
 
     def due(self) -> bool:
@@ -97,18 +97,24 @@ class Fault:
         width = torch.iinfo(_LAYOUT[x.dtype][2]).bits
         if not 0 <= bit < width:
             raise ValueError(f"numguard.testing.faults: bit={bit} is outside a {x.dtype} element (0..{width - 1})")
+        # whether the flipped value stands out of its tensor (an abs-max baseline sees only that)
+        amax = x.detach().abs().nan_to_num(0.0, 0.0, 0.0).amax()
         out, before, after = flipped(x, index, bit)
         self.fired += 1
-        self.log.append((where, index, bit, before, after))
+        self.log.append((where, index, bit, before, after, amax))
         return out
 
     def records(self) -> list:
-        """What was flipped, read to the host: dicts of where, index, bit, before, after, factor."""
+        """What was flipped, read to the host: dicts of where, index, bit, before, after, factor
+        (|after| / |before|) and over_amax (|after| / the tensor's largest finite magnitude before
+        the flip: above 1, the flip made the tensor's abs max)."""
         out = []
-        for where, index, bit, before, after in self.log:
-            b, a = float(before), float(after)
+        for where, index, bit, before, after, amax in self.log:
+            b, a, m = float(before), float(after), float(amax)
             factor = abs(a) / abs(b) if b not in (0.0,) and a == a else float("inf")
-            out.append({"where": where, "index": index, "bit": bit, "before": b, "after": a, "factor": factor})
+            over = abs(a) / m if m != 0.0 and a == a else float("inf")
+            out.append({"where": where, "index": index, "bit": bit, "before": b, "after": a, "factor": factor,
+                        "over_amax": over})
         return out
 
     def remove(self):
