@@ -25,7 +25,13 @@ TORCH_LIBRARY(numguard, m) {
   // whose abs max exceeds headroom * finfo.max (headroom <= 0 disables that check). The first
   // `context` xs are context: they trip only with a later one (NOTE: [context records]).
   // ring: float64[R, 8]; state: int64[4] (see StateField in numguard/stats_reduce.h).
-  m.def("record_(Tensor(a!) ring, Tensor(b!) state, Tensor[] xs, int position, float headroom, int context=0) -> ()");
+  // With quant_sums (watch(quant=), NOTE: [quant in the stats call]): the tensors xs[quant_xs] are
+  // also measured as quant_watch_(quant_sums, quant_row, xs[quant_xs], quant_format) measures them,
+  // their records written to quant_records (float64[len(quant_xs), 10]) when given, in the same
+  // call, frozen ring or not.
+  m.def("record_(Tensor(a!) ring, Tensor(b!) state, Tensor[] xs, int position, float headroom, int context=0, "
+        "Tensor(c!)? quant_sums=None, int quant_row=0, int quant_format=-1, int[] quant_xs=[], "
+        "Tensor(d!)? quant_records=None) -> ()");
 
   // float64[10] record (numguard.QUANT_FIELDS) of what casting x to a low-precision format would do
   // (format: the index of numguard.schema.QUANT_FORMATS; scale used when has_scale). Never

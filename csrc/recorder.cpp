@@ -14,6 +14,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -26,7 +27,9 @@ namespace py = pybind11;
 namespace numguard {
 namespace {
 
-using RecordSignature = void(const at::Tensor&, const at::Tensor&, at::TensorList, int64_t, double, int64_t);
+using RecordSignature = void(const at::Tensor&, const at::Tensor&, at::TensorList, int64_t, double, int64_t,
+                             const std::optional<at::Tensor>&, int64_t, int64_t, at::IntArrayRef,
+                             const std::optional<at::Tensor>&);
 
 // A tensor already recorded this batch. The weak reference keeps the TensorImpl's memory (not its
 // data) from being reused while it is in the table, so a key that matches is the same tensor.
@@ -254,6 +257,13 @@ class FrameRecorder {
     if (is_true(owner, kOff) || is_true(batch, kClosed) || !is_true(batch, kBatchOpen)) return false;
     if (batch.attr(kDepth).cast<int64_t>() <= 0) return false;  // a call outside the root's forward
     const int64_t batch_number = batch.attr(kBatchesDone).cast<int64_t>();
+    static const py::handle kQuantRow = PyUnicode_InternFromString("quant_row");
+    quant_took_ = quant_took_output_ = py::none();
+    struct QuantCall {
+      FrameRecorder& r;
+      ~QuantCall() { r.quant_row_ = -1; }
+    } quant_call{*this};
+    if (quant_format_ >= 0) quant_row_ = owner.attr(kQuantRow).cast<int64_t>();
     py::list xs(2);
     PyList_SET_ITEM(xs.ptr(), 0, py::reinterpret_borrow<py::object>(input).release().ptr());
     PyList_SET_ITEM(xs.ptr(), 1, py::reinterpret_borrow<py::object>(output).release().ptr());
@@ -269,6 +279,30 @@ class FrameRecorder {
     fast_kinds_ = std::move(kinds);
     fast_section_ = std::move(section);
     fast_context_ = context;
+  }
+
+  // watch(quant=) (numguard.inspector.quant_watch, NOTE: [quant in the stats call]): the output of
+  // a module_call whose owner has a quant_row >= 0 is measured under `format` (a QUANT_FORMATS
+  // code) by the record_ call that records it, into sums[quant_row] (float64[R, 6] on the ring's
+  // device), when it is a fresh float32, float16 or bfloat16 tensor recorded on the main ring.
+  // sums None: off.
+  void set_quant(const py::object& sums, int64_t format) {
+    if (sums.is_none()) {
+      quant_sums_ = at::Tensor();
+      quant_format_ = -1;
+      return;
+    }
+    if (!THPVariable_Check(sums.ptr())) throw py::type_error("numguard: quant sums must be a tensor or None");
+    quant_sums_ = THPVariable_Unpack(sums.ptr());
+    quant_format_ = format;
+  }
+
+  // The record (float64[10]) of `output` when the last module_call measured it, else None; once.
+  py::object quant_took(const py::handle& output) {
+    py::object took = py::none();
+    if (!quant_took_.is_none() && quant_took_output_.ptr() == output.ptr()) took = quant_took_;
+    quant_took_ = quant_took_output_ = py::none();
+    return took;
   }
 
   // The ring after a growth or a move (the Python side owns both tensors).
@@ -379,16 +413,26 @@ class FrameRecorder {
       batch.push_back(THPVariable_Unpack(flag.ptr()));
     }
     const int64_t n = static_cast<int64_t>(batch.size());
+    // module_call's output, xs[1], measured by watch(quant=) in the same call when it is fresh here
+    int64_t quant_index = -1;
+    if (quant_row_ >= 0 && clean && !routed && !state_override_.defined()) {
+      for (size_t j = 0; j < fresh_index.size(); ++j) {
+        if (fresh_index[j] == 1 && slots[j] == 0 && quant_measures(fresh[j])) quant_index = static_cast<int64_t>(j);
+      }
+    }
     if (n > 0) {
       const int64_t window = (!has_frames || lo < window_lo) ? lo : window_lo;
       if (pos + n - window > size_) grow_(pos + n - window);  // calls set_ring
       try {
         if (routed) {
           launch_routed(batch, slots, pos, headroom, fresh_context);
+        } else if (quant_index >= 0) {
+          launch_measured(batch, pos, headroom, fresh_context, quant_index, PyList_GET_ITEM(xs.ptr(), 1));
         } else {
           launch(batch, pos, headroom, fresh_context);
         }
       } catch (const std::exception&) {
+        quant_took_ = quant_took_output_ = py::none();  // the Python side measures what a failed call did not
         if (routed || !clean || !any_needs_values(fresh)) throw;
         // What only the op can reject (e.g. meta tensors on the ring's device) is recorded through
         // sanitize instead of losing the frame.
@@ -456,15 +500,43 @@ class FrameRecorder {
     launch_on(ring_, state_override_.defined() ? state_override_ : state_, batch, pos, headroom, context);
   }
 
+  // Whether watch(quant=)'s fold takes `x` (the dtypes its kernels read as they are; float64 and
+  // real float8 casts are the Python side's).
+  bool quant_measures(const at::Tensor& x) const {
+    const at::ScalarType t = x.scalar_type();
+    return (t == at::kFloat || t == at::kHalf || t == at::kBFloat16) && x.numel() > 0 && quant_sums_.defined() &&
+           quant_sums_.device() == device_ && quant_row_ < quant_sums_.size(0);
+  }
+
+  // launch, with batch[index] (the Python object `output`) measured by watch(quant=) too.
+  void launch_measured(const std::vector<at::Tensor>& batch, int64_t pos, double headroom, int64_t context,
+                       int64_t index, PyObject* output) {
+    const at::Tensor& state = state_override_.defined() ? state_override_ : state_;
+    at::Tensor records = at::empty({1, 10}, quant_sums_.options());
+    const int64_t which[] = {index};
+    const std::optional<at::Tensor> sums(quant_sums_), out(records);
+    if (ring_.is_cpu()) {
+      cpu::record_cpu(ring_, state, batch, pos, headroom, context, sums, quant_row_, quant_format_, which, out);
+    } else {
+      record_op().call(ring_, state, batch, pos, headroom, context, sums, quant_row_, quant_format_, which, out);
+    }
+    quant_took_ = py::reinterpret_steal<py::object>(THPVariable_Wrap(records[0]));
+    quant_took_output_ = py::reinterpret_borrow<py::object>(output);
+  }
+
+  static const c10::TypedOperatorHandle<RecordSignature>& record_op() {
+    static const auto op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("numguard::record_", "").typed<RecordSignature>();
+    return op;
+  }
+
   static void launch_on(const at::Tensor& ring, const at::Tensor& state, const std::vector<at::Tensor>& batch,
                         int64_t pos, double headroom, int64_t context) {
     if (ring.is_cpu()) {
       cpu::record_cpu(ring, state, batch, pos, headroom, context);
       return;
     }
-    static const auto op =
-        c10::Dispatcher::singleton().findSchemaOrThrow("numguard::record_", "").typed<RecordSignature>();
-    op.call(ring, state, batch, pos, headroom, context);
+    record_op().call(ring, state, batch, pos, headroom, context, std::nullopt, 0, -1, {}, std::nullopt);
   }
 
   // One record_ per run of records bound for the same ring (NOTE: [one ring per device]).
@@ -583,6 +655,11 @@ class FrameRecorder {
   py::object router_ = py::none();
   std::vector<int64_t> routed_;  // (slot, start, count) since the last take_routed
   std::unordered_map<PyObject*, FrameMeta> meta_;  // by owner
+  at::Tensor quant_sums_;      // watch(quant=)'s running sums on the ring's device (undefined: off)
+  int64_t quant_format_ = -1;
+  int64_t quant_row_ = -1;     // the row of the module_call being recorded (-1: not measured)
+  py::object quant_took_ = py::none();  // the record of the last measured output
+  py::object quant_took_output_ = py::none();  // that output
 };
 
 }  // namespace
@@ -605,6 +682,8 @@ void bind_frame_recorder(py::module& module) {
       .def("set_fast_path", &FrameRecorder::set_fast_path, py::arg("labels"), py::arg("kinds"), py::arg("section"),
            py::arg("context"))
       .def("set_ring", &FrameRecorder::set_ring)
+      .def("set_quant", &FrameRecorder::set_quant, py::arg("sums"), py::arg("format"))
+      .def("quant_took", &FrameRecorder::quant_took, py::arg("output"))
       .def("set_side_factory", &FrameRecorder::set_side_factory)
       .def("set_router", &FrameRecorder::set_router)
       .def("set_side", &FrameRecorder::set_side)

@@ -10,6 +10,7 @@
 // torch.inference_mode().
 #include <torch/library.h>
 
+#include <optional>
 #include <string>
 
 #include "numguard/host_checks.h"
@@ -48,17 +49,22 @@ at::Tensor multi_tensor_stats_unsupported(at::TensorList xs) {
   return {};
 }
 
-void record_unsupported(const at::Tensor& ring, const at::Tensor& state, at::TensorList xs, int64_t, double,
-                        int64_t) {
+void check_record(const at::Tensor& ring, const at::Tensor& state, at::TensorList xs) {
   check_all(xs, "xs");
   check_input(ring, "ring", -1);
   check_input(state, "state", -1);
   no_kernel(ring, "ring");
 }
 
+void record_unsupported(const at::Tensor& ring, const at::Tensor& state, at::TensorList xs, int64_t, double, int64_t,
+                        const std::optional<at::Tensor>&, int64_t, int64_t, at::IntArrayRef,
+                        const std::optional<at::Tensor>&) {
+  check_record(ring, state, xs);
+}
+
 void record_at_cursor_unsupported(const at::Tensor& ring, const at::Tensor& state, const at::Tensor&, const at::Tensor&,
                                   at::TensorList xs, int64_t, double, int64_t) {
-  record_unsupported(ring, state, xs, 0, 0.0, 0);
+  check_record(ring, state, xs);
 }
 
 }  // namespace

@@ -150,7 +150,8 @@ if _native is not None:
         return xs[0].new_empty((len(xs), NUM_STATS), dtype=torch.float64)
 
     @torch.library.register_fake("numguard::record_")
-    def _record_fake(ring, state, xs, position, headroom, context=0):
+    def _record_fake(ring, state, xs, position, headroom, context=0, quant_sums=None, quant_row=0, quant_format=-1,
+                     quant_xs=(), quant_records=None):
         return None
 
     @torch.library.register_fake("numguard::record_at_cursor_")

@@ -17,6 +17,7 @@
 
 #include "numguard/host_checks.h"
 #include "numguard/quant.h"
+#include "quant_ops.h"
 #include "reduce_kernels.h"
 
 namespace numguard {
@@ -131,8 +132,10 @@ float finite_amax(const QuantValues& values, bool* any_nonfinite) {
   return amax;
 }
 
-// quant_stats' parameters (NVFP4 without a scale: g from the tensor's amax, one more pass).
-QuantRun make_quant_run(int64_t format, double scale, bool has_scale, const QuantValues& values) {
+// quant_stats' parameters (NVFP4 without a scale: g from the tensor's amax, one more pass; or
+// from `known_amax`, the largest finite |x| when the caller has it).
+QuantRun make_quant_run(int64_t format, double scale, bool has_scale, const QuantValues& values,
+                        const float* known_amax = nullptr) {
   QuantRun run{};
   run.format = format;
   run.input = values.input;
@@ -142,25 +145,36 @@ QuantRun make_quant_run(int64_t format, double scale, bool has_scale, const Quan
   if (quant_per_tensor(format)) {
     run.scale = static_cast<float>(has_scale ? scale : 1.0);
     run.mode = float8_mode(run.scale);
+  } else if (format == kQuantNvfp4 && has_scale) {
+    run.scale = static_cast<float>(scale);
   } else if (format == kQuantNvfp4) {
     bool any_nonfinite = false;
-    run.scale = has_scale ? static_cast<float>(scale) : nvfp4_global_scale(finite_amax(values, &any_nonfinite));
+    run.scale = nvfp4_global_scale(known_amax != nullptr ? *known_amax : finite_amax(values, &any_nonfinite));
   }
   return run;
 }
 
-// watch(quant=)'s measurement of one tensor: current scaling for the per-tensor formats.
-QuantAccum quant_watch_one(int64_t format, const QuantValues& values) {
-  QuantRun run = make_quant_run(format, 1.0, false, values);
+// watch(quant=)'s measurement of one tensor whose largest finite |x| and NaN/Inf presence are
+// known: current scaling for the per-tensor formats, NVFP4's global scale from that amax.
+QuantAccum quant_watch_known(int64_t format, const QuantValues& values, float amax, bool any_nonfinite) {
+  QuantRun run = make_quant_run(format, 1.0, false, values, &amax);
   if (!quant_per_tensor(format)) return quant_reduce(values, run);
-  bool any_nonfinite = false;
-  const float amax = finite_amax(values, &any_nonfinite);
   run.scale = quant_current_scale(amax, any_nonfinite, run.f.max_value);
   // v = x * 1 is x: the unit pass (which finds amax itself) is the prescaled one
   run.mode = run.scale == 1.0f ? QuantRun::kUnitScale : QuantRun::kPrescaled;
   QuantAccum total = quant_reduce(values, run);
   if (run.mode == QuantRun::kPrescaled) total.amax = amax;  // the prescaled pass leaves amax to its scale's pass
   return total;
+}
+
+// watch(quant=)'s measurement of one tensor: its amax by a pass of its own (MX needs none).
+QuantAccum quant_watch_one(int64_t format, const QuantValues& values) {
+  if (format != kQuantNvfp4 && !quant_per_tensor(format)) {
+    return quant_reduce(values, make_quant_run(format, 1.0, false, values));
+  }
+  bool any_nonfinite = false;
+  const float amax = finite_amax(values, &any_nonfinite);
+  return quant_watch_known(format, values, amax, any_nonfinite);
 }
 
 at::Tensor quant_stats_cpu(const at::Tensor& x, int64_t format, double scale, bool has_scale) {
@@ -190,6 +204,13 @@ at::Tensor quant_watch_cpu(const at::Tensor& sums, int64_t row, at::TensorList x
 }
 
 }  // namespace
+
+void quant_watch_from_stats(int64_t format, const at::Tensor& x, float amax, bool any_nonfinite, double* record,
+                            double* sums_row) {
+  quant_watch_known(format, QuantValues(x), amax, any_nonfinite).write(record);
+  quant_add_to_sums(sums_row, record);
+}
+
 }  // namespace cpu
 }  // namespace numguard
 

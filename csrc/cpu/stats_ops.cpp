@@ -17,7 +17,9 @@
 #include <vector>
 
 #include "numguard/host_checks.h"
+#include "numguard/quant.h"
 #include "numguard/stats_reduce.h"
+#include "quant_ops.h"
 #include "reduce_kernels.h"
 #include "stats_ops.h"
 
@@ -230,19 +232,23 @@ at::Tensor multi_tensor_stats_cpu(at::TensorList xs) {
 
 // The shared step of record_ and record_at_cursor_: update `state` over the records of `plans`
 // (positions position + i) and write them to the ring, unless it was frozen by an earlier trip.
-// Returns whether it was not frozen.
+// `known`: the plans' records when the caller computed them. Returns whether it was not frozen.
 bool record_frame(const at::Tensor& ring, const at::Tensor& state, const std::vector<Plan>& plans, int64_t position,
-                  double headroom, int64_t context) {
+                  double headroom, int64_t context, const double* known = nullptr) {
   auto state_acc = state.accessor<int64_t, 1>();
   if (state_acc[kTripped] != 0) return false;  // frozen: nothing is written, state is final
   const int64_t n = static_cast<int64_t>(plans.size());
-  std::vector<double> records(n * kNumStats);
+  std::vector<double> computed;
+  if (known == nullptr) {
+    computed.resize(n * kNumStats);
+    if (n > 0) compute_records(plans, computed.data());
+  }
+  const double* records = known != nullptr ? known : computed.data();
   std::vector<double> max_values(n);
-  if (n > 0) compute_records(plans, records.data());
   for (int64_t i = 0; i < n; ++i) max_values[i] = headroom_limit(plans[i].info.kind);
   int64_t st[kStateSize];
   for (int j = 0; j < kStateSize; ++j) st[j] = state_acc[j];
-  const bool write = update_recording_state(st, records.data(), max_values.data(), n, position, headroom, context);
+  const bool write = update_recording_state(st, records, max_values.data(), n, position, headroom, context);
   for (int j = 0; j < kStateSize; ++j) state_acc[j] = st[j];
   if (!write) return false;
   auto ring_acc = ring.accessor<double, 2>();
@@ -256,12 +262,40 @@ bool record_frame(const at::Tensor& ring, const at::Tensor& state, const std::ve
 
 }  // namespace
 
+// NOTE: [quant in the stats call] watch(quant=)'s what-if of a frame's outputs rides on record_:
+// the stats pass already finds each tensor's largest finite |x| and its NaN/Inf counts, which are
+// what current scaling (and NVFP4's global scale) needs, so the measurement reads the tensor once
+// more where quant_watch_ reads it twice. The records are quant_watch_'s bit for bit (the same
+// amax: the stats' abs_max is the exact float32 value). A frozen ring still measures: the what-if
+// is not the NaN check, and it goes on after a trip as quant_watch_ does.
 void record_cpu(const at::Tensor& ring, const at::Tensor& state, at::TensorList xs, int64_t position,
-                double headroom, int64_t context) {
+                double headroom, int64_t context, const std::optional<at::Tensor>& quant_sums, int64_t quant_row,
+                int64_t quant_format, at::IntArrayRef quant_xs, const std::optional<at::Tensor>& quant_records) {
   check_ring_and_state(ring, state, at::kCPU, /*contiguous=*/false);
   check_on_ring_device(xs, ring);
+  const bool quant = quant_sums.has_value() && quant_sums->defined();
+  const at::Tensor out_records = quant && quant_records.has_value() ? *quant_records : at::Tensor();
+  if (quant) {
+    check_record_quant_args(*quant_sums, quant_row, quant_format, kQuantNvfp4 + 1, quant_xs, xs, out_records);
+  }
   if (xs.empty()) return;
-  record_frame(ring, state, make_plans(xs, "xs"), position, headroom, context);
+  const std::vector<Plan> plans = make_plans(xs, "xs");
+  if (!quant || quant_xs.empty()) {
+    record_frame(ring, state, plans, position, headroom, context);
+    return;
+  }
+  std::vector<double> records(plans.size() * kNumStats);
+  compute_records(plans, records.data());
+  record_frame(ring, state, plans, position, headroom, context, records.data());
+  double* sums_row = quant_sums->mutable_data_ptr<double>() + quant_row * kQuantSummedFields;
+  double scratch[kNumQuantFields];
+  for (size_t j = 0; j < quant_xs.size(); ++j) {
+    const double* stats = records.data() + quant_xs[j] * kNumStats;
+    const bool any_nonfinite = stats[kNan] + stats[kPosInf] + stats[kNegInf] > 0.0;
+    double* record = out_records.defined() ? out_records.mutable_data_ptr<double>() + j * kNumQuantFields : scratch;
+    quant_watch_from_stats(quant_format, xs[quant_xs[j]], static_cast<float>(stats[kAbsMax]), any_nonfinite, record,
+                           sums_row);
+  }
 }
 
 // record_at_cursor_ (csrc/ops.cpp): the frame starts at the cursor's position; a frame recorded

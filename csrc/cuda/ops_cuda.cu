@@ -3,6 +3,7 @@
 // and stride analysis: numguard/host_checks.h), builds launch tables and launches the kernels of
 // stats_kernels.cu on the current stream; it never waits on the device.
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <initializer_list>
 #include <string>
 #include <utility>
@@ -19,6 +21,7 @@
 
 #include "numguard/build_info.h"
 #include "numguard/host_checks.h"
+#include "numguard/quant.h"
 #include "numguard/stats_reduce.h"
 #include "stats_device.cuh"
 #include "stats_launch.cuh"
@@ -304,10 +307,9 @@ FrameArgs frame_args(const Scratch& scratch, int64_t n, const at::Tensor& ring, 
   return frame;
 }
 
-void record_cuda(const at::Tensor& ring, const at::Tensor& state, at::TensorList xs, int64_t position,
-                 double headroom, int64_t context) {
-  check_ring_and_state(ring, state, at::kCUDA, /*contiguous=*/true);
-  check_on_ring_device(xs, ring);
+// record_'s stats and recording step.
+void record_stats_cuda(const at::Tensor& ring, const at::Tensor& state, at::TensorList xs, int64_t position,
+                       double headroom, int64_t context) {
   if (xs.empty()) return;
   const c10::cuda::CUDAGuard guard(ring.device());
   const int64_t n = static_cast<int64_t>(xs.size());
@@ -319,6 +321,32 @@ void record_cuda(const at::Tensor& ring, const at::Tensor& state, at::TensorList
   frame.step = FrameStep::kRecord;
   frame.position = position;
   launch_plan(plan, scratch, frame, stream);
+}
+
+using QuantWatchSignature = at::Tensor(const at::Tensor&, int64_t, at::TensorList, int64_t);
+
+// record_'s what-if (NOTE: [quant in the stats call]): on CUDA the measurement is quant_watch_'s
+// launches, queued after the stats' on the same stream within the one record_ call (its amax by a
+// pass of its own: the stats' is on the device only once their launch has run).
+void record_cuda(const at::Tensor& ring, const at::Tensor& state, at::TensorList xs, int64_t position,
+                 double headroom, int64_t context, const std::optional<at::Tensor>& quant_sums, int64_t quant_row,
+                 int64_t quant_format, at::IntArrayRef quant_xs, const std::optional<at::Tensor>& quant_records) {
+  check_ring_and_state(ring, state, at::kCUDA, /*contiguous=*/true);
+  check_on_ring_device(xs, ring);
+  const bool quant = quant_sums.has_value() && quant_sums->defined();
+  const at::Tensor out_records = quant && quant_records.has_value() ? *quant_records : at::Tensor();
+  std::vector<at::Tensor> measured;
+  if (quant) {
+    measured = check_record_quant_args(*quant_sums, quant_row, quant_format, kQuantNvfp4 + 1, quant_xs, xs,
+                                       out_records);
+  }
+  record_stats_cuda(ring, state, xs, position, headroom, context);
+  if (measured.empty()) return;
+  static const auto quant_watch = c10::Dispatcher::singleton()
+                                      .findSchemaOrThrow("numguard::quant_watch_", "")
+                                      .typed<QuantWatchSignature>();
+  at::Tensor records = quant_watch.call(*quant_sums, quant_row, measured, quant_format);
+  if (out_records.defined()) out_records.copy_(records);
 }
 
 // record_at_cursor_ (csrc/ops.cpp): record_cuda with the position read on the device.

@@ -30,7 +30,7 @@ ONE_IN_ONE_OUT_KINDS = (TENSOR, TENSOR)
 class Owner:
     """What frames belong to: a watched module, or a name given to record_frame."""
     __slots__ = ("index", "name", "cls", "ref", "wnames", "widx", "flag", "flag_batch", "headroom", "off",
-                 "is_root", "is_top", "returned", "__weakref__")
+                 "is_root", "is_top", "returned", "quant_row", "__weakref__")
 
     def __init__(self, index, name, cls, ref=None, headroom=0.0):
         self.index = index
@@ -46,6 +46,7 @@ class Owner:
         self.is_root = False
         self.is_top = False       # its return ends a check: the root, or a module called outside it
         self.returned = False     # its forward returned normally (NOTE: [forward raised])
+        self.quant_row = -1       # watch(quant=)'s row of its outputs, measured by the recorder (-1: not)
 
 
 class Frame(NamedTuple):

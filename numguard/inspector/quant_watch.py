@@ -13,7 +13,10 @@ on each output measures the gradient flowing into it (quantity "grad_output"):
 - mxfp8_* and nvfp4: their own block scales (numguard.quant_stats with scale=None; nvfp4's
   global scale is its current amax).
 
-The tensors of one call are measured by one native call (``numguard::quant_watch_``: the amax,
+A module call the inspector's native fast path records (one tensor in, one out: Linear,
+LayerNorm, Dropout, ...) has its output measured by that same record_ call, the amax taken from
+the stats it computes (NOTE: [quant in the stats call]); the hook here only counts it. Other
+calls' tensors are measured by one native call (``numguard::quant_watch_``: the amax,
 the scale and the record of each tensor in the kernels, no torch operation per tensor, no host
 sync), which also adds the records into the module's running sums on the device (non-zero,
 underflow and saturated counts, squared error); element and batch counts are host numbers the
@@ -73,7 +76,7 @@ def current_scale(x, fmax, amax=None):
 
 class _Row:
     """One (module, quantity): where its sums are, and what the host counts."""
-    __slots__ = ("index", "module", "quantity", "format", "elements", "batches", "last_batch")
+    __slots__ = ("index", "module", "quantity", "format", "elements", "batches", "last_batch", "first")
 
     def __init__(self, index, module, quantity, format=None):
         self.index, self.module, self.quantity = index, module, quantity
@@ -81,6 +84,7 @@ class _Row:
         self.elements = 0
         self.batches = 0
         self.last_batch = -1
+        self.first = None  # rows measured before it (rows made up front count from their first call)
 
 
 class QuantWatch(Feature):
@@ -93,6 +97,7 @@ class QuantWatch(Feature):
         self.off = False
         self.batch = 0
         self.rows = {}       # (owner index, quantity) -> _Row
+        self.measured = 0    # rows measured so far
         self.sums = {}       # device -> float64[capacity, _SUMMED]
         self._fmax = {}      # device -> the format's max, 0-dim float32
         self.seen = {}       # id(tensor) -> (weak ref, version, record): measured in this batch
@@ -118,16 +123,52 @@ class QuantWatch(Feature):
                 if owner.is_root:   # outside any compiled graph, as the root's other hooks (NOTE: [compile])
                     hook = torch.compiler.disable(hook)
                 inspector._handles.append(module.register_forward_hook(hook))
+        self.folded = False  # whether the recorder measures fast-path outputs (_start_fold)
+        self._start_fold()
+
+    # NOTE: [quant in the stats call] Each owner gets its output row up front (owner.quant_row),
+    # and the ring's recorder the running sums of the ring's device, so that the record_ call of a
+    # module_call measures its output too: one native call per module call, and one pass less
+    # over the tensor (csrc/cpu/stats_ops.cpp). Not with amax_group (the digest takes each
+    # record's amax here) or where the native kernels do not serve the ring's device.
+    def _start_fold(self):
+        ring = self.inspector._ring
+        if self.off or self.inspector._reader.amax is not None or not _quant.native_serves("quant_watch_",
+                                                                                          ring.device):
+            return
+        for owner in self.inspector._owners:
+            if owner.ref is not None:
+                row = self.rows.get((owner.index, OUTPUT))
+                if row is None:
+                    row = self.rows[(owner.index, OUTPUT)] = _Row(len(self.rows), owner.name, OUTPUT)
+                owner.quant_row = row.index
+        self.folded = True
+        ring.set_quant(self._sums_for(ring.device, len(self.rows)), self.code)
+
+    def _end_fold(self):
+        if self.folded:
+            self.folded = False
+            self.inspector._ring.set_quant(None, -1)
+            for owner in self.inspector._owners:
+                owner.quant_row = -1
 
     # -- recording (no host sync) ------------------------------------------------------------
     def _hook_for(self, owner):
+        took = self.inspector._ring.quant_took
+
         def quant_hook(module, args, output):
             if self.off or _is_compiling():
                 return
             try:
-                tensors = _floating(output)
+                record = took(output)
+                if record is not None:  # measured by the recorder's record_ call
+                    tensors = [output]
+                    self._count(self.rows[(owner.index, OUTPUT)], tensors, [record[:_SUMMED]])
+                else:
+                    tensors = _floating(output)
+                    if tensors:
+                        self._record(owner, OUTPUT, tensors)
                 if tensors:
-                    self._record(owner, OUTPUT, tensors)
                     if self.backward and torch.is_grad_enabled():
                         for t in tensors:
                             if t.requires_grad:
@@ -212,6 +253,8 @@ class QuantWatch(Feature):
             if sums is not None:
                 grown[:sums.shape[0]] = sums
             sums = self.sums[device] = grown
+            if self.folded and device == self.inspector._ring.device:
+                self.inspector._ring.set_quant(sums, self.code)
         return sums
 
     def _add(self, owner, quantity, tensors, measure, format=None):
@@ -229,16 +272,22 @@ class QuantWatch(Feature):
                 records.append(hit[2])
             else:
                 fresh.append(t)
-        if fresh:
-            measured = measure(fresh, into=(sums, index))[:, :_SUMMED]
-            for t, record in zip(fresh, measured):
-                self.seen[id(t)] = (weakref.ref(t), t._version, record)
-            records.extend(measured)
+        fresh_records = measure(fresh, into=(sums, index)) if fresh else ()
         if row is None:
             row = self.rows[(owner.index, quantity)] = _Row(index, owner.name, quantity, format)
         if self.inspector._reader.amax is not None:
-            self._note_amax(row, torch.stack([r[Q_AMAX] for r in records]).amax())
+            self._note_amax(row, torch.stack([r[Q_AMAX] for r in records + list(fresh_records)]).amax())
+        self._count(row, tensors, fresh_records[:, :_SUMMED] if fresh else (), fresh)
+
+    def _count(self, row, tensors, records, fresh=None):
+        """The host's part of a call: `records` (of `fresh`, by default all of `tensors`) kept for
+        the rest of the batch, the row's element and batch counts."""
+        for t, record in zip(tensors if fresh is None else fresh, records):
+            self.seen[id(t)] = (weakref.ref(t), t._version, record)
         row.elements += sum(t.numel() for t in tensors)
+        if row.first is None:
+            row.first = self.measured
+            self.measured += 1
         if row.last_batch != self.batch:
             row.last_batch = self.batch
             row.batches += 1
@@ -286,6 +335,7 @@ class QuantWatch(Feature):
 
     def _stop(self, exc):
         self.off = True
+        self._end_fold()
         self.inspector._reader.amax = None  # this rank sends no amax from now on (not a mismatch)
         self.inspector._warn_once(("quant",), f"numguard: the quant={self.format!r} what-if stopped after an "
                                               f"internal error ({type(exc).__name__}: {exc}); quant_table() "
@@ -293,7 +343,7 @@ class QuantWatch(Feature):
 
     # -- the lifecycle -------------------------------------------------------------------------
     def begin_batch(self, batch):
-        if self.sums and not self.off:  # the gradients of the batch before are in by now
+        if self.measured and not self.off:  # the gradients of the batch before are in by now
             self.snapshots.append((batch - 1, self._counts()))
         self.batch = batch
         self.seen.clear()
@@ -310,12 +360,16 @@ class QuantWatch(Feature):
         self.hashes.clear()
         self.snapshots.clear()
         self.seen.clear()
+        self._end_fold()
         self.rows.clear()
+        self.measured = 0
         self.sums.clear()
         self._fmax.clear()
+        self._start_fold()
 
     def close(self):
         self.off = True  # the forward hooks go with the inspector's handles
+        self._end_fold()
 
     # -- reading (one device->host copy per device) --------------------------------------------
     def table(self) -> list:
@@ -326,6 +380,8 @@ class QuantWatch(Feature):
         host = {device: sums.cpu().tolist() for device, sums in self.sums.items()}
         out = []
         for row in self.rows.values():
+            if not row.batches:  # a row made up front (_start_fold) whose module never ran
+                continue
             total = [0.0] * _SUMMED
             for values in host.values():
                 if row.index < len(values):
@@ -338,8 +394,10 @@ class QuantWatch(Feature):
                      "batches": row.batches}
             if row.format is not None:
                 entry["format"], entry["mse"] = row.format, None
-            out.append(entry)
-        out.sort(key=lambda r: (-r["underflow"], -(r["mse"] or 0.0)))
+            out.append((row.first, entry))
+        # ties in the order rows were first measured
+        out.sort(key=lambda pair: (-pair[1]["underflow"], -(pair[1]["mse"] or 0.0), pair[0]))
+        out = [entry for _, entry in out]
         return out
 
     def series(self):

@@ -112,6 +112,13 @@ class _PythonRecorder:
         """The native fast path only: every call takes the hook's Python path here."""
         return False
 
+    def set_quant(self, sums, format):
+        """Nothing to do: without the fast path, watch(quant=) measures every call itself."""
+
+    @staticmethod
+    def quant_took(output):
+        return None
+
     def take_routed(self):
         routed, self._routed = self._routed, []
         return [v for run in routed for v in run]
@@ -330,6 +337,11 @@ class FrameRing:
         self._allocate(size, device)
         self.record = self._recorder.record_frame
         self.module_call = self._recorder.module_call
+        # watch(quant=) (NOTE: [quant in the stats call]): set_quant(sums, format code) has
+        # module_call measure its output into sums[owner.quant_row] in the same record_ call
+        # (sums None: off); quant_took(output) is that output's record (float64[10]) once, or None.
+        self.set_quant = self._recorder.set_quant
+        self.quant_took = self._recorder.quant_took
 
     @outside_inference_mode
     def _allocate(self, size, device):

@@ -214,6 +214,33 @@ inline void check_quant_watch_args(const at::Tensor& sums, int64_t row, at::Tens
   }
 }
 
+// record_'s what-if arguments (csrc/ops.cpp): the measured xs by index, then quant_watch_'s rule
+// for the sums and tensors, and `records` (when given) float64[len(quant_xs), 10] on their device.
+// Returns the measured tensors.
+inline std::vector<at::Tensor> check_record_quant_args(const at::Tensor& sums, int64_t row, int64_t format,
+                                                       int64_t num_formats, at::IntArrayRef quant_xs,
+                                                       at::TensorList xs, const at::Tensor& records) {
+  TORCH_CHECK_VALUE(format >= 0 && format < num_formats, "numguard: unknown quant format code ", format);
+  std::vector<at::Tensor> measured;
+  measured.reserve(quant_xs.size());
+  for (size_t j = 0; j < quant_xs.size(); ++j) {
+    const int64_t k = quant_xs[j];
+    TORCH_CHECK_VALUE(k >= 0 && k < static_cast<int64_t>(xs.size()), "numguard: quant_xs[", j, "] = ", k,
+                      " is not an index of xs (", xs.size(), " tensors)");
+    measured.push_back(xs[k]);
+  }
+  check_quant_watch_args(sums, row, measured);
+  if (records.defined()) {
+    TORCH_CHECK_VALUE(records.scalar_type() == at::kDouble && records.is_contiguous() && records.dim() == 2 &&
+                          records.size(0) == static_cast<int64_t>(quant_xs.size()) && records.size(1) == 10 &&
+                          records.device() == sums.device(),
+                      "numguard: record_'s quant_records must be a contiguous float64 tensor of shape [",
+                      quant_xs.size(), ", 10] on ", sums.device(), ", got ", records.scalar_type(), " of shape ",
+                      records.sizes(), " on ", records.device());
+  }
+  return measured;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Stride analysis
 
